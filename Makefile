@@ -1,0 +1,27 @@
+# The two commands of the README. Both set everything up on a fresh machine first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.poseidon-installed
+
+.PHONY: main test bench clean
+
+$(STAMP): pyproject.toml setup.py _ext/codec.pyx scripts/setup.sh
+	scripts/setup.sh $(VENV)
+	touch $(STAMP)
+
+# The main job: a local multi-worker run of real processes.
+main: $(STAMP)
+	$(PY) examples/exchange.py --workers 4
+
+# The whole suite on uvloop and asyncio's loop, in asyncio debug mode, with the compiled codec;
+# then the wire and transport tests again with the pure-Python codec.
+test: $(STAMP)
+	$(PY) -m poseidon_aio.cli info --require-extension
+	PYTHONASYNCIODEBUG=1 $(PY) -m pytest -q
+	POSEIDON_NO_EXTENSIONS=1 PYTHONASYNCIODEBUG=1 $(PY) -m pytest -q tests/test_codec.py tests/test_transport.py
+
+bench: $(STAMP)
+	$(PY) -m bench transport
+
+clean:
+	rm -rf $(VENV) build *.egg-info poseidon_aio/wire/_ccodec*.so _ext/*.c

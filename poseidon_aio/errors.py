@@ -1,0 +1,81 @@
+"""One exception hierarchy for the whole library.
+
+Every error a user can meet derives from :class:`PoseidonError`; builtin co-bases let callers
+catch them the usual way too (``except ConnectionError`` catches :class:`ConnectionLost`).
+
+We distinguish what *we* did wrong (:class:`LocalProtocolError`: we tried to encode or send
+something the protocol forbids) from what a *peer* sent wrong (:class:`RemoteProtocolError` and
+its :class:`FrameError`). Messages say what happened, where (rank, key, clock, address) and what
+to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PoseidonError",
+    "ConfigError",
+    "ProtocolError",
+    "LocalProtocolError",
+    "RemoteProtocolError",
+    "FrameError",
+    "HandshakeError",
+    "AuthenticationError",
+    "VersionMismatch",
+    "ConnectionLost",
+    "PeerTimeout",
+    "SyncTimeout",
+]
+
+
+class PoseidonError(Exception):
+    """Root of every error raised by poseidon_aio."""
+
+
+class ConfigError(PoseidonError, ValueError):
+    """A setting is invalid (raised before any process talks to another)."""
+
+
+class ProtocolError(PoseidonError):
+    """The wire protocol was violated, by us or by a peer."""
+
+
+class LocalProtocolError(ProtocolError, ValueError):
+    """We were asked to encode or send something the protocol cannot carry (a bug on this side)."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """A peer sent bytes or messages that break the protocol."""
+
+
+class FrameError(RemoteProtocolError):
+    """A frame header or payload read off the wire is malformed.
+
+    Raised by both codecs for: bad magic, unknown version, unknown kind, unknown payload dtype,
+    a header checksum mismatch, a payload length over the configured maximum, or a length that is
+    not a whole number of dtype items. The connection it came from must be closed; the process
+    keeps serving its other connections.
+    """
+
+
+class HandshakeError(RemoteProtocolError):
+    """The connection handshake failed; no payload byte of the peer was processed."""
+
+
+class AuthenticationError(HandshakeError, PermissionError):
+    """The peer does not hold the same cluster token (or refused ours)."""
+
+
+class VersionMismatch(HandshakeError):
+    """The peer speaks a protocol version this build does not."""
+
+
+class ConnectionLost(PoseidonError, ConnectionError):
+    """A connection closed or broke while something was waiting on it."""
+
+
+class PeerTimeout(PoseidonError, TimeoutError):
+    """A peer stayed silent longer than the idle timeout, or a connect/handshake took too long."""
+
+
+class SyncTimeout(PoseidonError, TimeoutError):
+    """A synchronization (push, pull, aggregate) did not complete in time."""

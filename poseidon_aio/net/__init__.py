@@ -1,0 +1,28 @@
+"""asyncio connections: framing on the wire codec, authenticated handshake, shaping.
+
+Everything that imports asyncio or socket lives here and above; ``wire`` stays sans-IO.
+"""
+
+from .config import NetConfig, TLSConfig
+from .connection import Connection, ConnectionStats, Listener, connect, listen
+from .handshake import PROTOCOL_VERSION, Role
+from .loop import LOOP, new_event_loop, run
+from .shaper import Shaper, ShaperConfig, TokenBucket
+
+__all__ = [
+    "LOOP",
+    "PROTOCOL_VERSION",
+    "Connection",
+    "ConnectionStats",
+    "Listener",
+    "NetConfig",
+    "Role",
+    "Shaper",
+    "ShaperConfig",
+    "TLSConfig",
+    "TokenBucket",
+    "connect",
+    "listen",
+    "new_event_loop",
+    "run",
+]

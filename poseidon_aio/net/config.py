@@ -1,0 +1,103 @@
+"""Settings of the connection layer: one dataclass, validated, with defaults that work."""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..errors import ConfigError
+from ..wire import DEFAULT_MAX_PAYLOAD
+from .shaper import ShaperConfig
+
+
+@dataclass
+class TLSConfig:
+    """TLS for every connection (stdlib ``ssl``), on top of the token handshake.
+
+    Args:
+        certfile, keyfile: this process's certificate chain and key (PEM).
+        cafile: CA bundle that signs the peers' certificates; when given, listeners require client
+            certificates too (mutual TLS).
+        check_hostname: verify the dialled host name against the certificate. Off by default:
+            cluster peers are usually dialled by IP address; the token handshake still runs inside.
+    """
+
+    certfile: str
+    keyfile: str
+    cafile: Optional[str] = None
+    check_hostname: bool = False
+
+    def server_context(self) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(self.certfile, self.keyfile)
+        if self.cafile:
+            ctx.load_verify_locations(self.cafile)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def client_context(self) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.check_hostname = self.check_hostname
+        if self.cafile:
+            ctx.load_verify_locations(self.cafile)
+            ctx.load_cert_chain(self.certfile, self.keyfile)
+        else:
+            ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+
+
+@dataclass
+class NetConfig:
+    """How connections behave.
+
+    Args:
+        token: the cluster token, shared by every process (>= 16 bytes). Connections whose peer
+            cannot prove it are refused before any payload byte is processed.
+        heartbeat_interval: seconds of send silence after which a HEARTBEAT goes out.
+        idle_timeout: seconds without a received byte after which the peer counts as dead.
+        connect_timeout, handshake_timeout, close_timeout: bounds on those waits, in seconds.
+        max_payload: largest payload accepted after the handshake (before it: 4 KiB).
+        write_high_water, write_low_water: transport buffer limits; above the high mark senders
+            wait, so a slow reader bounds the sender's memory at about high mark + one frame.
+        inbox_high_water: received bytes nobody has taken yet above which reading pauses, so a
+            slow consumer pushes back through TCP instead of growing memory.
+        shaper: per-connection bandwidth caps.
+        tls: TLS settings, or ``None`` for plain TCP.
+
+    >>> NetConfig(token=b"x" * 16).idle_timeout
+    30.0
+    """
+
+    token: bytes
+    heartbeat_interval: float = 2.0
+    idle_timeout: float = 30.0
+    connect_timeout: float = 10.0
+    handshake_timeout: float = 10.0
+    close_timeout: float = 5.0
+    max_payload: int = DEFAULT_MAX_PAYLOAD
+    write_high_water: int = 4 << 20
+    write_low_water: int = 1 << 20
+    inbox_high_water: int = 64 << 20
+    shaper: ShaperConfig = field(default_factory=ShaperConfig)
+    tls: Optional[TLSConfig] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.token, str):
+            self.token = self.token.encode()
+        if not isinstance(self.token, bytes) or len(self.token) < 16:
+            raise ConfigError("NetConfig.token must be at least 16 bytes shared by every process")
+        for name in ("heartbeat_interval", "idle_timeout", "connect_timeout", "handshake_timeout", "close_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"NetConfig.{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.idle_timeout < 2 * self.heartbeat_interval:
+            raise ConfigError(
+                f"NetConfig.idle_timeout ({self.idle_timeout}s) must be at least twice "
+                f"heartbeat_interval ({self.heartbeat_interval}s), or healthy peers time out"
+            )
+        if not 0 <= self.write_low_water <= self.write_high_water:
+            raise ConfigError("NetConfig needs 0 <= write_low_water <= write_high_water")
+        if self.max_payload < 1 or self.inbox_high_water < 1:
+            raise ConfigError("NetConfig.max_payload and inbox_high_water must be >= 1 byte")

@@ -1,0 +1,779 @@
+"""Framed, authenticated connections on asyncio: the only place that touches sockets.
+
+Layering follows asyncpg: the sans-IO codec (``wire``) and the sans-IO handshake
+(``net.handshake``) do all parsing; :class:`Connection` is the ``asyncio.BufferedProtocol``
+adapter that moves bytes between them and the transport.
+
+Receive path: ``get_buffer`` hands the kernel the decoder's buffer, which, while a payload with a
+registered destination is being read, is the unfilled tail of that destination (a slice of a
+receive tensor): payload bytes are written once. Frames then go, in this order, to the future
+registered with :meth:`Connection.expect` for their ``(kind, key, clock)``, to the handler set with
+:meth:`Connection.set_handler`, or to an inbox read with :meth:`Connection.recv`.
+
+Send path: ``transport.writelines([header, memoryview(payload)])`` over the payload's own memory.
+Above the write high-water mark senders queue, lowest ``priority`` value first, and wait for
+``resume_writing``; with a shaper they also wait for tokens.
+
+Every wait has a bound: connect, handshake and close timeouts, and an idle timeout fed by
+heartbeats. A lost connection fails every pending waiter with :class:`ConnectionLost`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import json
+import logging
+import socket
+import sys
+from collections import deque
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Optional
+
+from ..errors import (
+    ConnectionLost,
+    FrameError,
+    HandshakeError,
+    LocalProtocolError,
+    PeerTimeout,
+    PoseidonError,
+    RemoteProtocolError,
+)
+from ..wire import DType, Frame, FrameDecoder, Header, Kind, encode_frame, frame_parts
+from .config import NetConfig
+from .handshake import HANDSHAKE_MAX_PAYLOAD, PROTOCOL_VERSION, Handshake, Role
+from .loop import is_uvloop
+from .shaper import Shaper, TokenBucket
+
+log = logging.getLogger("poseidon_aio.net")
+
+_HANDSHAKE_KINDS = frozenset({Kind.HELLO, Kind.CHALLENGE, Kind.AUTH, Kind.WELCOME})
+# Below this a payload is joined to its header: one 40-byte write per frame costs more than a copy.
+_JOIN_BELOW = 16 * 1024
+# asyncio's own transports before 3.12 implement writelines as write(b"".join(...)): a full copy.
+_WRITELINES_COPIES = sys.version_info < (3, 12)
+
+
+@dataclass
+class ConnectionStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    frames_sent: int = 0
+    frames_received: int = 0
+    write_pauses: int = 0
+    max_write_buffer: int = 0
+    max_inbox_bytes: int = 0
+
+
+def _silence(fut: asyncio.Future) -> None:
+    # Whoever holds the future sees the exception when awaiting it; nobody holding it is not a
+    # bug worth the loop's "exception was never retrieved" report.
+    if fut.done() and not fut.cancelled():
+        fut.exception()
+
+
+class Connection(asyncio.BufferedProtocol):
+    """One framed, authenticated connection to a peer process.
+
+    Made by :func:`connect` and :func:`listen`, which return it once the handshake is complete.
+
+    Args:
+        role: ``Role.CLIENT`` if this side dialled.
+        rank: this process's rank (sent as the sender of every frame).
+        config: :class:`NetConfig`.
+        process_shaper: a :class:`Shaper` shared by all connections of the process, or ``None``.
+        protocol: protocol version to announce (tests use another to check refusal).
+    """
+
+    def __init__(
+        self,
+        role: Role,
+        rank: int,
+        config: NetConfig,
+        *,
+        process_shaper: Optional[Shaper] = None,
+        protocol: int = PROTOCOL_VERSION,
+    ) -> None:
+        self.role = role
+        self.rank = rank
+        self.config = config
+        self.peer_rank: Optional[int] = None
+        self.peer_address = "unknown address"
+        self.stats = ConnectionStats()
+        self._loop = asyncio.get_running_loop()
+        self._decoder = FrameDecoder(max_payload=HANDSHAKE_MAX_PAYLOAD, allocate=self._allocate)
+        self._handshake = Handshake(role, rank, config.token, protocol=protocol)
+        self._transport: Optional[asyncio.Transport] = None
+        self._exc: Optional[BaseException] = None
+        self._ready = self._loop.create_future()
+        self._closed = self._loop.create_future()
+        self._expected: dict = {}
+        self._handler: Optional[Callable[[Frame], None]] = None
+        self._allocate_unclaimed: Optional[Callable[[Header], object]] = None
+        self._landing: Optional[tuple] = None  # (kind, key, clock) whose payload lands in its `into`
+        self._inbox: deque = deque()
+        self._inbox_bytes = 0
+        self._recv_waiter: Optional[asyncio.Future] = None
+        self._write_paused = False
+        self._write_waiters: list = []
+        self._seq = itertools.count()
+        self._read_pauses: set = set()
+        self._last_recv = self._last_send = self._loop.time()
+        self._timer: Optional[asyncio.TimerHandle] = None
+        self._handshake_timer: Optional[asyncio.TimerHandle] = None
+        self._closing = False
+        own = Shaper.from_config(config.shaper)
+        self._egress = [b for b in (own.egress, process_shaper and process_shaper.egress) if b]
+        self._ingress = [b for b in (own.ingress, process_shaper and process_shaper.ingress) if b]
+        self._writelines_copies = _WRITELINES_COPIES and not is_uvloop(self._loop)
+
+    # -- public API -------------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        return f"<Connection rank {self.rank} <-> rank {self.peer_rank} at {self.peer_address}>"
+
+    @property
+    def where(self) -> str:
+        """Names the peer for error messages."""
+        return f"rank {self.peer_rank if self.peer_rank is not None else '?'} at {self.peer_address}"
+
+    @property
+    def is_open(self) -> bool:
+        return self._exc is None and self._transport is not None
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """Why the connection ended, or ``None`` while it is open."""
+        return self._exc
+
+    async def wait_ready(self) -> "Connection":
+        """Wait for the handshake (bounded by ``config.handshake_timeout``)."""
+        return await asyncio.shield(self._ready)
+
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self._closed)
+
+    async def send(
+        self,
+        kind: Kind,
+        payload=b"",
+        *,
+        key: int = 0,
+        clock: int = 0,
+        dtype: DType = DType.BYTES,
+        flags: int = 0,
+        priority: int = 0,
+    ) -> None:
+        """Send one frame; return once it is handed to the transport.
+
+        The payload is not copied: it must stay unchanged until the peer has it (in practice,
+        until the reply that depends on it arrives).
+
+        Args:
+            kind, key, clock, dtype, flags: header fields (see ``docs/wire.md``).
+            payload: any C-contiguous buffer (bytes, bytearray, memoryview, NumPy array).
+            priority: lower values go first among frames waiting on backpressure or the shaper.
+        Raises:
+            ConnectionLost: the connection is closed or broke (the cause is chained).
+            LocalProtocolError: a header field is out of range.
+
+        >>> # await conn.send(Kind.PUSH, grad.numpy(), key=3, clock=t, dtype=DType.FLOAT32)
+        """
+        self._raise_if_closed()
+        parts = frame_parts(kind, payload, rank=self.rank, key=key, clock=clock, dtype=dtype, flags=flags)
+        nbytes = len(parts[0]) + parts[1].nbytes
+        for bucket in self._egress:
+            await bucket.acquire(nbytes, priority)
+        if self._write_paused or self._write_waiters:
+            await self._wait_write_turn(priority)
+        self._write(parts, nbytes)
+
+    def expect(self, kind: Kind, key: int, clock: int, into=None) -> asyncio.Future:
+        """Claim the next frame ``(kind, key, clock)``; return a future of it.
+
+        Args:
+            into: optional writable buffer of exactly the payload's size: the payload is received
+                straight into it (zero copy), and the frame's ``payload`` is a view of it.
+        Raises:
+            LocalProtocolError: that frame is already expected.
+
+        Register before the peer can send the frame (e.g. before pushing the gradient whose
+        aggregate it is); a frame that arrives unclaimed goes to the handler or the inbox.
+        """
+        ident = (Kind(kind), int(key), int(clock))
+        fut = self._loop.create_future()
+        if self._exc is not None:
+            fut.set_exception(self._lost())
+            _silence(fut)
+            return fut
+        if ident in self._expected:
+            raise LocalProtocolError(
+                f"frame {ident[0].name} key {key} clock {clock} from {self.where} is already expected"
+            )
+        early = self._claim_from_inbox(ident)
+        if early is not None:
+            fut.set_result(early if into is None else _moved_into(early, into))
+            return fut
+        self._expected[ident] = (fut, into)
+        fut.add_done_callback(lambda f: self._forget(ident, f))
+        return fut
+
+    def _claim_from_inbox(self, ident: tuple) -> Optional[Frame]:
+        # The peer may be a step ahead: its frame arrived before this side asked for it.
+        for i, frame in enumerate(self._inbox):
+            if (frame.kind, frame.key, frame.clock) == ident:
+                if i == 0:
+                    return self._pop_inbox()
+                del self._inbox[i]
+                self._inbox_bytes -= frame.header.length
+                return frame
+        return None
+
+    def _forget(self, ident: tuple, fut: asyncio.Future) -> None:
+        # A cancelled expectation must not swallow the frame (or write into a buffer) later.
+        entry = self._expected.get(ident)
+        if entry is not None and entry[0] is fut:
+            del self._expected[ident]
+
+    def set_handler(
+        self,
+        handler: Optional[Callable[[Frame], None]],
+        allocate: Optional[Callable[[Header], object]] = None,
+    ) -> None:
+        """Deliver unclaimed frames to ``handler(frame)`` on the loop instead of the inbox.
+
+        Args:
+            handler: called with each frame no :meth:`expect` claimed. It must not block; an
+                exception from it closes the connection with that error. Frames already in the
+                inbox are handed over first.
+            allocate: called with the header of each unclaimed frame as soon as it is decoded;
+                returns the buffer its payload is received into (zero copy), or ``None``. A
+                parameter-server shard uses it to land pushes in per-key receive slots.
+        """
+        self._handler = handler
+        self._allocate_unclaimed = allocate
+        while handler is not None and self._inbox:
+            self._take_inbox()
+            handler(self._inbox.popleft())
+
+    async def recv(self, timeout: Optional[float] = None) -> Frame:
+        """Next unclaimed frame.
+
+        Raises:
+            PeerTimeout: nothing arrived within ``timeout`` seconds.
+            ConnectionLost: the connection ended (the cause is chained).
+        """
+        if self._inbox:
+            return self._pop_inbox()
+        self._raise_if_closed()
+        if self._recv_waiter is not None:
+            raise LocalProtocolError("another coroutine is already waiting in recv() on this connection")
+        self._recv_waiter = self._loop.create_future()
+        try:
+            async with asyncio.timeout(timeout):
+                await self._recv_waiter
+        except TimeoutError:
+            raise PeerTimeout(f"no frame from {self.where} within {timeout} s") from None
+        finally:
+            self._recv_waiter = None
+        return self._pop_inbox()
+
+    async def close(self) -> None:
+        """Say GOODBYE, flush what is queued and close (bounded by ``config.close_timeout``).
+
+        Pending waiters on this side fail with :class:`ConnectionLost`.
+        """
+        if self._transport is not None and self._exc is None and self._handshake.ready:
+            self._write_control(Kind.GOODBYE)
+        self._closing = True
+        self._fail(ConnectionLost(f"connection to {self.where} was closed by rank {self.rank}"), "close")
+        try:
+            async with asyncio.timeout(self.config.close_timeout):
+                await asyncio.shield(self._closed)
+        except TimeoutError:
+            if self._transport is not None:
+                self._transport.abort()
+
+    def abort(self) -> None:
+        """Drop the connection at once (no GOODBYE, no flush)."""
+        self._fail(ConnectionLost(f"connection to {self.where} was aborted by rank {self.rank}"), "abort")
+
+    # -- asyncio protocol callbacks ---------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        if peer:
+            self.peer_address = f"{peer[0]}:{peer[1]}"
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        transport.set_write_buffer_limits(self.config.write_high_water, self.config.write_low_water)
+        self._handshake.peer = self.peer_address
+        for kind, payload in self._handshake.start():
+            self._write_control(kind, payload, DType.JSON)
+        self._handshake_timer = self._loop.call_later(self.config.handshake_timeout, self._handshake_expired)
+        self._arm_tick()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._decoder.buffer_updated(nbytes)
+        self.stats.bytes_received += nbytes
+        self._last_recv = self._loop.time()
+        for bucket in self._ingress:
+            delay = bucket.reserve(nbytes)
+            if delay > 0:
+                self._pause_reading("ingress")
+                self._loop.call_later(delay, self._resume_reading, "ingress")
+        try:
+            while self._exc is None and (frame := self._decoder.next_frame()) is not None:
+                self.stats.frames_received += 1
+                self._on_frame(frame)
+        except FrameError as exc:
+            self._fail(FrameError(f"{exc}; from {self.where}, closing that connection"), "error", exc)
+        except PoseidonError as exc:
+            self._fail(exc, "abort")
+
+    def eof_received(self) -> bool:
+        return False  # close our side too; connection_lost reports it
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self.stats.write_pauses += 1
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._wake_writer()
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self._transport = None
+        if self._exc is None:
+            partial = self._decoder.partial
+            detail = f": {exc}" if exc else " (the peer closed it without GOODBYE)"
+            if partial is not None:
+                header, got = partial
+                detail += (
+                    f"; {got} of {header.length} payload bytes of {header.kind.name} key {header.key} "
+                    f"clock {header.clock} had arrived"
+                )
+            self._fail(ConnectionLost(f"connection to {self.where} was lost{detail}"), "none")
+        if not self._closed.done():
+            self._closed.set_result(None)
+
+    # -- receive side -----------------------------------------------------------------------
+
+    def _allocate(self, header: Header):
+        ident = (header.kind, header.key, header.clock)
+        entry = self._expected.get(ident)
+        self._landing = None
+        if entry is not None:
+            into = entry[1]
+            if into is None or memoryview(into).nbytes != header.length:
+                return None  # a wrong-sized `into` fails that future alone, in _on_frame
+            self._landing = ident
+            return into
+        if self._allocate_unclaimed is not None and self._handshake.ready:
+            return self._allocate_unclaimed(header)
+        return None
+
+    def _on_frame(self, frame: Frame) -> None:
+        if not self._handshake.ready:
+            self._on_handshake_frame(frame)
+            return
+        kind = frame.kind
+        if kind is Kind.HEARTBEAT:
+            return
+        if kind is Kind.GOODBYE:
+            self._closing = True
+            self._fail(ConnectionLost(f"{self.where} closed the connection (GOODBYE)"), "close")
+            return
+        if kind is Kind.ERROR:
+            self._fail(RemoteProtocolError(f"{self.where} reported an error: {_error_text(frame)}"), "abort")
+            return
+        if kind in _HANDSHAKE_KINDS:
+            self._fail(
+                RemoteProtocolError(f"{self.where} sent {kind.name} after the handshake"), "error"
+            )
+            return
+        ident = (kind, frame.key, frame.clock)
+        entry = self._expected.pop(ident, None)
+        if entry is not None:
+            fut, into = entry
+            landed, self._landing = self._landing == ident, None
+            if fut.done():
+                return
+            if into is not None and not landed:
+                # expect() came after this frame's header, or `into` has the wrong size.
+                try:
+                    frame = _moved_into(frame, into)
+                except LocalProtocolError as exc:
+                    fut.set_exception(exc)
+                    return
+            fut.set_result(frame)
+            return
+        if self._handler is not None:
+            try:
+                self._handler(frame)
+            except Exception as exc:  # noqa: BLE001 - a handler bug ends this connection, visibly
+                self._fail(exc, "abort")
+            return
+        self._inbox.append(frame)
+        self._inbox_bytes += frame.header.length
+        self.stats.max_inbox_bytes = max(self.stats.max_inbox_bytes, self._inbox_bytes)
+        if self._inbox_bytes > self.config.inbox_high_water:
+            self._pause_reading("inbox")
+        waiter = self._recv_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _on_handshake_frame(self, frame: Frame) -> None:
+        try:
+            replies = self._handshake.receive(frame)
+        except HandshakeError as exc:  # the peer refused us: it already knows why
+            self._fail(exc, "abort")
+            return
+        for kind, payload in replies:
+            self._write_control(kind, payload, DType.JSON)
+        if self._handshake.error is not None:
+            self._fail(self._handshake.error, "close")
+        elif self._handshake.ready:
+            self.peer_rank = self._handshake.peer_rank
+            self._decoder.max_payload = self.config.max_payload
+            if self._handshake_timer is not None:
+                self._handshake_timer.cancel()
+            self._ready.set_result(self)
+
+    def _handshake_expired(self) -> None:
+        if not self._handshake.ready:
+            self._fail(
+                PeerTimeout(
+                    f"handshake with {self.peer_address} did not complete within "
+                    f"{self.config.handshake_timeout} s (handshake state {self._handshake.state.value})"
+                ),
+                "abort",
+            )
+
+    def _pop_inbox(self) -> Frame:
+        self._take_inbox()
+        return self._inbox.popleft()
+
+    def _take_inbox(self) -> None:
+        self._inbox_bytes -= self._inbox[0].header.length
+        if "inbox" in self._read_pauses and self._inbox_bytes <= self.config.inbox_high_water // 2:
+            self._resume_reading("inbox")
+
+    def _pause_reading(self, why: str) -> None:
+        if not self._read_pauses and self._transport is not None:
+            self._transport.pause_reading()
+        self._read_pauses.add(why)
+
+    def _resume_reading(self, why: str) -> None:
+        self._read_pauses.discard(why)
+        if not self._read_pauses and self._transport is not None:
+            self._transport.resume_reading()
+
+    # -- send side --------------------------------------------------------------------------
+
+    async def _wait_write_turn(self, priority: int) -> None:
+        fut = self._loop.create_future()
+        heapq.heappush(self._write_waiters, (priority, next(self._seq), fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._wake_writer()  # pass the turn we were given on
+            raise
+
+    def _wake_writer(self) -> None:
+        while self._write_waiters and not self._write_paused:
+            fut = heapq.heappop(self._write_waiters)[2]
+            if not fut.done():
+                fut.set_result(None)
+                return
+
+    def _write(self, parts: list, nbytes: int) -> None:
+        self._raise_if_closed()
+        header, view = parts
+        transport = self._transport
+        if view.nbytes < _JOIN_BELOW:
+            transport.write(header + view.tobytes())
+        elif self._writelines_copies:
+            transport.write(header)
+            transport.write(view)
+        else:
+            transport.writelines(parts)
+        self.stats.bytes_sent += nbytes
+        self.stats.frames_sent += 1
+        self._last_send = self._loop.time()
+        buffered = transport.get_write_buffer_size()
+        if buffered > self.stats.max_write_buffer:
+            self.stats.max_write_buffer = buffered
+        self._wake_writer()
+
+    def _write_control(self, kind: Kind, payload: bytes = b"", dtype: DType = DType.BYTES) -> None:
+        # Control frames are tiny and must not queue behind data (a heartbeat stuck behind 100 MB
+        # of gradients would time the peer out), so they skip backpressure and the shaper.
+        if self._transport is None:
+            return
+        self._transport.write(encode_frame(kind, payload, rank=self.rank, dtype=dtype))
+        self._last_send = self._loop.time()
+
+    # -- liveness ---------------------------------------------------------------------------
+
+    def _arm_tick(self) -> None:
+        self._timer = self._loop.call_later(self.config.heartbeat_interval / 2, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        if self._exc is not None:
+            return
+        now = self._loop.time()
+        if self._read_pauses:
+            self._last_recv = now  # we chose not to read; silence is ours, not the peer's
+        if now - self._last_recv > self.config.idle_timeout:
+            self._fail(
+                PeerTimeout(
+                    f"no bytes from {self.where} for {self.config.idle_timeout} s (idle timeout): "
+                    "the peer process is hung or the network is down"
+                ),
+                "abort",
+            )
+            return
+        if (
+            self._handshake.ready
+            and not self._write_paused
+            and now - self._last_send >= self.config.heartbeat_interval / 2
+        ):
+            self._write_control(Kind.HEARTBEAT)
+        self._arm_tick()
+
+    # -- failure ----------------------------------------------------------------------------
+
+    def _lost(self) -> ConnectionLost:
+        exc = self._exc
+        if isinstance(exc, ConnectionLost):
+            err = ConnectionLost(str(exc))
+        else:
+            err = ConnectionLost(f"connection to {self.where} ended: {exc}")
+        err.__cause__ = exc
+        return err
+
+    def _raise_if_closed(self) -> None:
+        if self._exc is not None:
+            raise self._lost()
+        if self._transport is None:
+            raise LocalProtocolError(f"connection to {self.where} is not established")
+
+    def _fail(self, exc: BaseException, how: str, cause: Optional[BaseException] = None) -> None:
+        """End the connection because of ``exc``; fail every waiter.
+
+        ``how``: "close" flushes queued bytes first; "error" also tells the peer why with an
+        ERROR frame; "abort" drops the connection at once; "none" means it is already gone.
+        """
+        if self._exc is not None:
+            return
+        self._exc = exc
+        if cause is not None:
+            exc.__cause__ = cause
+        level = logging.DEBUG if isinstance(exc, ConnectionLost) and self._closing else logging.WARNING
+        log.log(level, "rank %s: connection to %s ended: %s", self.rank, self.where, exc)
+        for timer in (self._timer, self._handshake_timer):
+            if timer is not None:
+                timer.cancel()
+        if not self._ready.done():
+            self._ready.set_exception(exc)
+            _silence(self._ready)
+        lost = self._lost()
+        for fut, _ in list(self._expected.values()):
+            if not fut.done():
+                fut.set_exception(lost)
+                _silence(fut)
+        self._expected.clear()
+        if self._recv_waiter is not None and not self._recv_waiter.done():
+            self._recv_waiter.set_exception(lost)
+            _silence(self._recv_waiter)
+        for _, _, fut in self._write_waiters:
+            if not fut.done():
+                fut.set_exception(lost)
+                _silence(fut)
+        self._write_waiters.clear()
+        transport = self._transport
+        if transport is None or how == "none":
+            return
+        if how == "error":
+            payload = json.dumps({"reason": "protocol", "message": str(exc)}).encode()
+            self._write_control(Kind.ERROR, payload, DType.JSON)
+        if how == "abort":
+            transport.abort()
+        else:
+            transport.close()
+
+
+def _moved_into(frame: Frame, into) -> Frame:
+    view = memoryview(into).cast("B") if not isinstance(into, memoryview) else into.cast("B")
+    if view.nbytes != frame.header.length or view.readonly:
+        raise LocalProtocolError(
+            f"destination for {frame.kind.name} key {frame.key} clock {frame.clock} must be a "
+            f"writable buffer of {frame.header.length} bytes, got {view.nbytes}"
+        )
+    view[:] = frame.payload
+    return Frame(frame.header, view)
+
+
+def _error_text(frame: Frame) -> str:
+    try:
+        info = json.loads(bytes(frame.payload).decode("utf-8"))
+        return str(info.get("message", info))
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return repr(bytes(frame.payload[:200]))
+
+
+async def connect(
+    host: str,
+    port: int,
+    *,
+    rank: int,
+    config: NetConfig,
+    process_shaper: Optional[Shaper] = None,
+    protocol: int = PROTOCOL_VERSION,
+) -> Connection:
+    """Dial a listener and complete the handshake.
+
+    Raises:
+        PeerTimeout: no TCP connection within ``config.connect_timeout`` or no handshake within
+            ``config.handshake_timeout``.
+        ConnectionLost: the address refused or dropped the connection.
+        AuthenticationError, VersionMismatch, HandshakeError: the handshake was refused.
+
+    >>> # conn = await connect("10.0.0.2", 29600, rank=0, config=NetConfig(token=TOKEN))
+    """
+    loop = asyncio.get_running_loop()
+    tls = config.tls
+    try:
+        async with asyncio.timeout(config.connect_timeout):
+            _, conn = await loop.create_connection(
+                lambda: Connection(Role.CLIENT, rank, config, process_shaper=process_shaper, protocol=protocol),
+                host,
+                port,
+                ssl=tls.client_context() if tls else None,
+                server_hostname=host if tls else None,
+            )
+    except TimeoutError:
+        raise PeerTimeout(
+            f"rank {rank} could not connect to {host}:{port} within {config.connect_timeout} s"
+        ) from None
+    except OSError as exc:
+        raise ConnectionLost(f"rank {rank} could not connect to {host}:{port}: {exc}") from exc
+    try:
+        return await conn.wait_ready()
+    except asyncio.CancelledError:
+        conn.abort()
+        raise
+
+
+class Listener:
+    """A listening socket whose authenticated connections go to a callback.
+
+    Attributes:
+        address: ``(host, port)`` actually bound (port 0 picks a free one).
+        connections: the open, authenticated connections.
+        refused: the errors of handshakes that failed (most recent 100).
+    """
+
+    def __init__(self, rank: int, on_connection: Callable[[Connection], Optional[Awaitable[None]]]) -> None:
+        self.rank = rank
+        self.address: tuple = ("", 0)
+        self.connections: set = set()
+        self.refused: deque = deque(maxlen=100)
+        self._on_connection = on_connection
+        self._server: Optional[asyncio.AbstractServer] = None
+        self._tasks: set = set()
+        self._handshaking: set = set()
+
+    @property
+    def pending_handshakes(self) -> int:
+        """Connections accepted whose handshake has not ended yet."""
+        return len(self._handshaking)
+
+    def _adopt(self, conn: Connection) -> None:
+        task = asyncio.ensure_future(self._admit(conn))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _admit(self, conn: Connection) -> None:
+        self._handshaking.add(conn)
+        try:
+            await conn.wait_ready()
+        except PoseidonError as exc:
+            self.refused.append(exc)
+            log.warning("rank %s refused a connection from %s: %s", self.rank, conn.peer_address, exc)
+            return
+        finally:
+            self._handshaking.discard(conn)
+        self.connections.add(conn)
+        conn._closed.add_done_callback(lambda _: self.connections.discard(conn))
+        try:
+            result = self._on_connection(conn)
+            if result is not None:
+                await result
+        except ConnectionLost:
+            if conn.error is None:
+                raise
+            log.debug("rank %s: handler for %s ended with its connection", self.rank, conn.where)
+        except Exception as exc:  # noqa: BLE001 - the callback's failure ends its connection only
+            log.exception("rank %s: connection handler for %s failed", self.rank, conn.where)
+            conn._fail(exc, "abort")
+
+    async def close(self) -> None:
+        """Stop listening, close every connection and wait for the handler tasks to finish."""
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            await conn.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def __aenter__(self) -> "Listener":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+async def listen(
+    host: str,
+    port: int,
+    *,
+    rank: int,
+    config: NetConfig,
+    on_connection: Callable[[Connection], Optional[Awaitable[None]]],
+    process_shaper: Optional[Shaper] = None,
+    protocol: int = PROTOCOL_VERSION,
+) -> Listener:
+    """Listen on ``host:port``; call ``on_connection(conn)`` for each authenticated connection.
+
+    A handshake that fails is logged and recorded in ``Listener.refused``; the listener keeps
+    serving. If ``on_connection`` returns an awaitable it runs as a task owned by the listener.
+
+    >>> # listener = await listen("127.0.0.1", 0, rank=1, config=cfg, on_connection=serve_peer)
+    """
+    loop = asyncio.get_running_loop()
+    listener = Listener(rank, on_connection)
+    tls = config.tls
+
+    def factory() -> Connection:
+        conn = Connection(Role.SERVER, rank, config, process_shaper=process_shaper, protocol=protocol)
+        listener._adopt(conn)
+        return conn
+
+    server = await loop.create_server(factory, host, port, ssl=tls.server_context() if tls else None)
+    listener._server = server
+    listener.address = server.sockets[0].getsockname()[:2]
+    return listener

@@ -1,0 +1,63 @@
+"""Wire format v1: frame layout and the codec (compiled when available, pure Python otherwise).
+
+``CODEC`` says which one is active: ``"cython"`` or ``"python"``. ``POSEIDON_NO_EXTENSIONS=1``
+forces the pure-Python twin. ``CODECS`` maps both names to their modules where both exist, so the
+tests and the benchmark can run each.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import suppress
+
+from . import codec as _pycodec
+from .layout import (
+    DEFAULT_MAX_PAYLOAD,
+    FLAG_MORE,
+    HEADER_SIZE,
+    ITEMSIZE,
+    MAGIC,
+    VERSION,
+    DType,
+    Frame,
+    Header,
+    Kind,
+)
+
+CODECS = {"python": _pycodec}
+with suppress(ImportError):
+    from . import _ccodec  # type: ignore[attr-defined]
+
+    CODECS["cython"] = _ccodec
+
+if os.environ.get("POSEIDON_NO_EXTENSIONS") == "1" or "cython" not in CODECS:
+    CODEC = "python"
+else:
+    CODEC = "cython"
+
+_active = CODECS[CODEC]
+encode_header = _active.encode_header
+decode_header = _active.decode_header
+frame_parts = _active.frame_parts
+encode_frame = _active.encode_frame
+FrameDecoder = _active.FrameDecoder
+
+__all__ = [
+    "CODEC",
+    "CODECS",
+    "DEFAULT_MAX_PAYLOAD",
+    "FLAG_MORE",
+    "HEADER_SIZE",
+    "ITEMSIZE",
+    "MAGIC",
+    "VERSION",
+    "DType",
+    "Frame",
+    "Header",
+    "Kind",
+    "encode_header",
+    "decode_header",
+    "frame_parts",
+    "encode_frame",
+    "FrameDecoder",
+]

@@ -1,0 +1,347 @@
+"""Pure-Python frame codec: the reference implementation and the fallback.
+
+Sans-IO in the h11 / asyncpg sense: bytes in, frames out; no asyncio, socket or torch. The Cython
+twin in ``_ext/codec.pyx`` has the same contract, the same error messages and one shared test suite.
+
+Two ways to feed the :class:`FrameDecoder`:
+
+* ``feed(data)`` copies bytes in (an ``asyncio.Protocol`` or a test);
+* ``get_buffer()`` / ``buffer_updated(n)`` let the caller's ``recv_into`` write straight into the
+  decoder (an ``asyncio.BufferedProtocol``). While a payload with a destination is being read and no
+  bytes are buffered ahead of it, ``get_buffer()`` returns the unfilled tail of that destination, so
+  the kernel writes payload bytes exactly once: into the receive tensor.
+
+``next_frame()`` then returns complete :class:`Frame` objects, or ``None`` when it needs more bytes.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Callable, Optional
+
+from ..errors import FrameError, LocalProtocolError
+from .layout import (
+    CHECKED_SIZE,
+    DEFAULT_MAX_PAYLOAD,
+    HEADER_SIZE,
+    HEADER_STRUCT,
+    ITEMSIZE_BY_CODE,
+    KNOWN_KINDS,
+    MAGIC,
+    U16_MAX,
+    U32_MAX,
+    U64_MAX,
+    VERSION,
+    DType,
+    Frame,
+    Header,
+    Kind,
+)
+
+__all__ = ["encode_header", "decode_header", "frame_parts", "encode_frame", "FrameDecoder"]
+
+Allocator = Callable[[Header], Optional[object]]
+
+_pack = HEADER_STRUCT.pack
+_unpack_from = HEADER_STRUCT.unpack_from
+_crc32 = zlib.crc32
+
+
+def _check_field(name: str, value: int, upper: int) -> int:
+    value = int(value)
+    if not 0 <= value <= upper:
+        raise LocalProtocolError(f"frame field {name}={value} is outside 0..{upper}")
+    return value
+
+
+def encode_header(
+    kind: int,
+    *,
+    rank: int = 0,
+    key: int = 0,
+    clock: int = 0,
+    length: int = 0,
+    dtype: int = DType.BYTES,
+    flags: int = 0,
+) -> bytes:
+    """Encode one 40-byte frame header.
+
+    Args:
+        kind: a :class:`Kind`.
+        rank: sender rank (u32). key: key-value pair or layer id (u32). clock: iteration (u64).
+        length: payload bytes that follow (u64). dtype: a :class:`DType`. flags: u16 bits.
+    Returns:
+        The header bytes, checksum included.
+    Raises:
+        LocalProtocolError: a field is out of range, the kind or dtype is unknown, or ``length``
+            is not a whole number of ``dtype`` items.
+
+    >>> len(encode_header(Kind.PUSH, rank=1, key=7, clock=3, length=8, dtype=DType.FLOAT32))
+    40
+    """
+    kind = int(kind)
+    dtype = int(dtype)
+    if kind not in KNOWN_KINDS:
+        raise LocalProtocolError(f"cannot encode unknown frame kind {kind}")
+    itemsize = ITEMSIZE_BY_CODE.get(dtype)
+    if itemsize is None:
+        raise LocalProtocolError(f"cannot encode unknown payload dtype {dtype}")
+    length = _check_field("length", length, U64_MAX)
+    if length % itemsize:
+        raise LocalProtocolError(
+            f"payload of {length} bytes is not a whole number of {DType(dtype).name} items"
+        )
+    body = _pack(
+        MAGIC,
+        VERSION,
+        kind,
+        _check_field("flags", flags, U16_MAX),
+        _check_field("rank", rank, U32_MAX),
+        _check_field("key", key, U32_MAX),
+        _check_field("clock", clock, U64_MAX),
+        length,
+        dtype,
+    )
+    return body + (_crc32(body) & 0xFFFFFFFF).to_bytes(4, "little")
+
+
+def decode_header(data, max_payload: int = DEFAULT_MAX_PAYLOAD) -> Header:
+    """Decode and validate the first 40 bytes of ``data``.
+
+    Raises:
+        FrameError: bad magic, unknown version, checksum mismatch, unknown kind or dtype, length
+            over ``max_payload`` or not a whole number of items.
+        LocalProtocolError: ``data`` is shorter than a header (a caller bug, not a peer's).
+    """
+    if len(data) < HEADER_SIZE:
+        raise LocalProtocolError(f"a frame header needs {HEADER_SIZE} bytes, got {len(data)}")
+    magic, version, kind, flags, rank, key, clock, length, dtype = _unpack_from(data, 0)
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not a poseidon_aio stream")
+    if version != VERSION:
+        raise FrameError(f"unknown wire version {version} (this build speaks {VERSION})")
+    checksum = int.from_bytes(data[CHECKED_SIZE:HEADER_SIZE], "little")
+    expected = _crc32(data[:CHECKED_SIZE]) & 0xFFFFFFFF
+    if checksum != expected:
+        raise FrameError(f"header checksum mismatch (got {checksum:#010x}, computed {expected:#010x})")
+    if kind not in KNOWN_KINDS:
+        raise FrameError(f"unknown frame kind {kind} from rank {rank}")
+    itemsize = ITEMSIZE_BY_CODE.get(dtype)
+    if itemsize is None:
+        raise FrameError(f"unknown payload dtype {dtype} in frame kind {kind} from rank {rank}")
+    if length > max_payload:
+        raise FrameError(
+            f"payload of {length} bytes exceeds the maximum of {max_payload} "
+            f"(kind {kind}, rank {rank}, key {key}, clock {clock})"
+        )
+    if length % itemsize:
+        raise FrameError(
+            f"payload of {length} bytes is not a whole number of {itemsize}-byte items "
+            f"(kind {kind}, rank {rank}, key {key}, clock {clock})"
+        )
+    return Header(Kind(kind), rank, key, clock, length, DType(dtype), flags, version)
+
+
+def _byte_view(payload) -> memoryview:
+    view = payload if isinstance(payload, memoryview) else memoryview(payload)
+    if view.ndim != 1 or view.format != "B":
+        if not view.c_contiguous:
+            raise LocalProtocolError("payload buffers must be C-contiguous")
+        view = view.cast("B")
+    return view
+
+
+def frame_parts(
+    kind: int,
+    payload=b"",
+    *,
+    rank: int = 0,
+    key: int = 0,
+    clock: int = 0,
+    dtype: int = DType.BYTES,
+    flags: int = 0,
+) -> list:
+    """Return ``[header, payload_view]`` for ``transport.writelines``: the payload is not copied.
+
+    >>> parts = frame_parts(Kind.DATA, b"abc", rank=0, key=1, clock=2)
+    >>> len(parts[0]), bytes(parts[1])
+    (40, b'abc')
+    """
+    view = _byte_view(payload)
+    header = encode_header(
+        kind, rank=rank, key=key, clock=clock, length=view.nbytes, dtype=dtype, flags=flags
+    )
+    return [header, view]
+
+
+def encode_frame(kind: int, payload=b"", **fields) -> bytes:
+    """One frame as a single bytes object (tests and small control frames)."""
+    header, view = frame_parts(kind, payload, **fields)
+    return header + view.tobytes()
+
+
+class FrameDecoder:
+    """Incremental frame decoder.
+
+    Args:
+        max_payload: frames announcing more payload bytes raise :class:`FrameError`.
+        allocate: called with each :class:`Header` whose length is > 0; returns a writable
+            C-contiguous buffer of exactly ``header.length`` bytes to receive the payload (zero
+            copy), or ``None`` to let the decoder allocate one.
+        scratch_size: initial size of the buffer that holds headers and small frames.
+
+    After a :class:`FrameError` the decoder is dead: every later call raises the same error.
+
+    >>> dec = FrameDecoder()
+    >>> dec.feed(encode_frame(Kind.DATA, b"hi", rank=3))
+    >>> frame = dec.next_frame(); frame.rank, bytes(frame.payload)
+    (3, b'hi')
+    >>> dec.next_frame() is None
+    True
+    """
+
+    def __init__(
+        self,
+        *,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+        allocate: Optional[Allocator] = None,
+        scratch_size: int = 1 << 16,
+    ) -> None:
+        if scratch_size < HEADER_SIZE:
+            raise LocalProtocolError(f"scratch_size must be at least {HEADER_SIZE}")
+        self.max_payload = max_payload
+        self.allocate = allocate
+        self._buf = bytearray(scratch_size)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+        self._header: Optional[Header] = None
+        self._dest: Optional[memoryview] = None
+        self._filled = 0
+        self._lent_dest = False
+        self._error: Optional[FrameError] = None
+
+    # -- state ------------------------------------------------------------------------------
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet part of a returned frame (scratch and partial payload)."""
+        return self._end - self._start + self._filled
+
+    @property
+    def partial(self) -> Optional[tuple]:
+        """``(header, bytes_received)`` of a frame whose payload is incomplete, else ``None``."""
+        if self._header is None:
+            return None
+        return (self._header, self._filled)
+
+    # -- input ------------------------------------------------------------------------------
+
+    def feed(self, data) -> None:
+        """Copy ``data`` in. Call :meth:`next_frame` until it returns ``None`` afterwards."""
+        if self._error is not None:
+            raise self._error
+        view = _byte_view(data)
+        offset = 0
+        if self._dest is not None and self._start == self._end:
+            n = min(len(view), len(self._dest) - self._filled)
+            self._dest[self._filled : self._filled + n] = view[:n]
+            self._filled += n
+            offset = n
+        rest = len(view) - offset
+        if rest:
+            self._reserve(rest)
+            self._view[self._end : self._end + rest] = view[offset:]
+            self._end += rest
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """A writable buffer for the next received bytes (``BufferedProtocol.get_buffer``)."""
+        if self._error is not None:
+            raise self._error
+        if self._dest is not None and self._start == self._end and self._filled < len(self._dest):
+            self._lent_dest = True
+            return self._dest[self._filled :]
+        self._lent_dest = False
+        self._reserve(max(sizehint, 1))
+        return self._view[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """Record that ``nbytes`` were written into the buffer :meth:`get_buffer` returned."""
+        if self._lent_dest:
+            self._filled += nbytes
+        else:
+            self._end += nbytes
+
+    def _reserve(self, n: int) -> None:
+        if len(self._buf) - self._end >= n:
+            return
+        used = self._end - self._start
+        if self._start and len(self._buf) - used >= n:
+            self._view[:used] = self._view[self._start : self._end]
+        else:
+            size = len(self._buf)
+            while size - used < n:
+                size *= 2
+            grown = bytearray(size)
+            grown[:used] = self._view[self._start : self._end]
+            self._view.release()
+            self._buf = grown
+            self._view = memoryview(grown)
+        self._start, self._end = 0, used
+
+    # -- output -----------------------------------------------------------------------------
+
+    def next_frame(self) -> Optional[Frame]:
+        """Return the next complete frame, or ``None`` if more bytes are needed.
+
+        Raises:
+            FrameError: the stream is malformed (the decoder stays failed).
+        """
+        if self._error is not None:
+            raise self._error
+        if self._header is None:
+            if self._end - self._start < HEADER_SIZE:
+                return None
+            try:
+                header = decode_header(
+                    self._view[self._start : self._start + HEADER_SIZE], self.max_payload
+                )
+            except FrameError as exc:
+                self._error = exc
+                raise
+            self._start += HEADER_SIZE
+            self._header = header
+            self._dest = self._destination(header)
+            self._filled = 0
+        dest = self._dest
+        need = len(dest) - self._filled
+        have = self._end - self._start
+        if need and have:
+            n = need if need < have else have
+            dest[self._filled : self._filled + n] = self._view[self._start : self._start + n]
+            self._filled += n
+            self._start += n
+        if self._start == self._end:
+            self._start = self._end = 0
+        if self._filled < len(dest):
+            return None
+        frame = Frame(self._header, dest)
+        self._header = None
+        self._dest = None
+        self._filled = 0
+        return frame
+
+    def _destination(self, header: Header) -> memoryview:
+        if header.length == 0:
+            return memoryview(bytearray(0))
+        dest = self.allocate(header) if self.allocate is not None else None
+        if dest is None:
+            return memoryview(bytearray(header.length))
+        view = _byte_view(dest)
+        if view.readonly or view.nbytes != header.length:
+            raise LocalProtocolError(
+                f"destination for kind {header.kind.name} key {header.key} clock {header.clock} "
+                f"must be a writable buffer of {header.length} bytes, got "
+                f"{view.nbytes} bytes{' (read-only)' if view.readonly else ''}"
+            )
+        return view

@@ -1,0 +1,248 @@
+"""Both codecs: round trips, incremental feeding, zero-copy destinations and bad input."""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from poseidon_aio.errors import FrameError, LocalProtocolError
+from poseidon_aio.wire import CODECS, HEADER_SIZE, ITEMSIZE, DType, Kind
+
+kinds = st.sampled_from(list(Kind))
+dtypes = st.sampled_from(list(DType))
+
+
+@st.composite
+def frame_specs(draw, max_items=64):
+    dtype = draw(dtypes)
+    items = draw(st.integers(0, max_items))
+    return dict(
+        kind=draw(kinds),
+        payload=draw(st.binary(min_size=items * ITEMSIZE[dtype], max_size=items * ITEMSIZE[dtype])),
+        rank=draw(st.integers(0, 2**32 - 1)),
+        key=draw(st.integers(0, 2**32 - 1)),
+        clock=draw(st.integers(0, 2**64 - 1)),
+        dtype=dtype,
+        flags=draw(st.integers(0, 2**16 - 1)),
+    )
+
+
+def _encode(codec, spec):
+    spec = dict(spec)
+    return codec.encode_frame(spec.pop("kind"), spec.pop("payload"), **spec)
+
+
+def _decode_all(codec, data, chunks=None, **kwargs):
+    dec = codec.FrameDecoder(**kwargs)
+    out = []
+    pieces = chunks if chunks is not None else [data]
+    for piece in pieces:
+        dec.feed(piece)
+        while (frame := dec.next_frame()) is not None:
+            out.append(frame)
+    return out, dec
+
+
+def _check(frame, spec):
+    h = frame.header
+    assert (h.kind, h.rank, h.key, h.clock, h.dtype, h.flags) == (
+        spec["kind"], spec["rank"], spec["key"], spec["clock"], spec["dtype"], spec["flags"]
+    )
+    assert h.length == len(spec["payload"])
+    assert bytes(frame.payload) == spec["payload"]
+
+
+@given(spec=frame_specs())
+def test_header_round_trip_and_twins_agree(spec):
+    encoded = {name: _encode(mod, spec) for name, mod in CODECS.items()}
+    assert len(set(encoded.values())) == 1, "the codecs encode the same frame differently"
+    data = next(iter(encoded.values()))
+    assert len(data) == HEADER_SIZE + len(spec["payload"])
+    headers = {name: mod.decode_header(data) for name, mod in CODECS.items()}
+    assert len(set(headers.values())) == 1
+
+
+@settings(max_examples=60)
+@given(specs=st.lists(frame_specs(), min_size=1, max_size=8), seed=st.integers(0, 2**32))
+def test_stream_whole_bytewise_and_random_chunks(codec, specs, seed):
+    data = b"".join(_encode(codec, s) for s in specs)
+    rng = random.Random(seed)
+    cuts, i = [], 0
+    while i < len(data):
+        n = rng.randint(1, 97)
+        cuts.append(data[i : i + n])
+        i += n
+    for chunks in ([data], [data[i : i + 1] for i in range(len(data))], cuts):
+        frames, dec = _decode_all(codec, data, chunks)
+        assert len(frames) == len(specs)
+        for frame, spec in zip(frames, specs):
+            _check(frame, spec)
+        assert dec.buffered == 0 and dec.partial is None
+
+
+@settings(max_examples=40)
+@given(specs=st.lists(frame_specs(max_items=300), min_size=1, max_size=6), seed=st.integers(0, 2**32))
+def test_buffered_protocol_path_with_destinations(codec, specs, seed):
+    """get_buffer/buffer_updated, as asyncio.BufferedProtocol drives it, with zero-copy targets."""
+    data = b"".join(_encode(codec, s) for s in specs)
+    rng = random.Random(seed)
+    dests = []
+
+    def allocate(header):
+        if rng.random() < 0.5:
+            return None
+        buf = bytearray(header.length)
+        dests.append(buf)
+        return buf
+
+    dec = codec.FrameDecoder(allocate=allocate, scratch_size=64)
+    frames, pos = [], 0
+    while pos < len(data):
+        buf = dec.get_buffer(rng.choice([-1, 1, 4096]))
+        n = min(len(buf), rng.randint(1, 200), len(data) - pos)
+        buf[:n] = data[pos : pos + n]
+        pos += n
+        dec.buffer_updated(n)
+        while (frame := dec.next_frame()) is not None:
+            frames.append(frame)
+    assert len(frames) == len(specs)
+    for frame, spec in zip(frames, specs):
+        _check(frame, spec)
+    # A registered destination receives the payload in place.
+    landed = [bytes(d) for d in dests]
+    assert all(any(bytes(f.payload) == d for f in frames) for d in landed)
+
+
+def test_kernel_writes_straight_into_destination(codec):
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    data = codec.encode_frame(Kind.PUSH, payload, rank=1, key=2, clock=3, dtype=DType.FLOAT32)
+    dest = bytearray(len(payload))
+    dec = codec.FrameDecoder(allocate=lambda h: dest)
+    buf = dec.get_buffer(-1)
+    buf[:HEADER_SIZE] = data[:HEADER_SIZE]
+    dec.buffer_updated(HEADER_SIZE)
+    assert dec.next_frame() is None
+    target = dec.get_buffer(-1)
+    assert len(target) == len(payload)
+    target[:] = data[HEADER_SIZE:]  # the "kernel" writes once, into dest itself
+    dec.buffer_updated(len(payload))
+    frame = dec.next_frame()
+    assert frame.payload.obj is dest and dest == payload
+
+
+def test_wrong_destination_size_is_our_error(codec):
+    data = codec.encode_frame(Kind.DATA, b"abcd", rank=0)
+    dec = codec.FrameDecoder(allocate=lambda h: bytearray(3))
+    dec.feed(data)
+    with pytest.raises(LocalProtocolError, match="writable buffer of 4 bytes"):
+        dec.next_frame()
+
+
+def _mutate_header(data: bytes, offset: int, value: bytes, fix_crc: bool = True) -> bytes:
+    h = bytearray(data[:HEADER_SIZE])
+    h[offset : offset + len(value)] = value
+    if fix_crc:
+        h[36:40] = (zlib.crc32(bytes(h[:36])) & 0xFFFFFFFF).to_bytes(4, "little")
+    return bytes(h) + data[HEADER_SIZE:]
+
+
+@pytest.mark.parametrize(
+    "offset,value,fix_crc,match",
+    [
+        (0, b"HTTP", True, "bad magic"),
+        (4, b"\x02", True, "unknown wire version 2"),
+        (5, b"\x63", True, "unknown frame kind 99"),
+        (32, b"\x40", True, "unknown payload dtype 64"),
+        (12, b"\x01", False, "header checksum mismatch"),
+        (24, (10**12).to_bytes(8, "little"), True, "exceeds the maximum"),
+        (32, bytes([DType.FLOAT64]), True, "not a whole number of 8-byte items"),
+    ],
+)
+def test_bad_frames_raise_frame_error_with_the_reason(codec, offset, value, fix_crc, match):
+    data = codec.encode_frame(Kind.PUSH, b"\x00" * 12, rank=2, key=5, clock=9, dtype=DType.FLOAT32)
+    bad = _mutate_header(data, offset, value, fix_crc)
+    with pytest.raises(FrameError, match=match):
+        codec.decode_header(bad)
+    dec = codec.FrameDecoder()
+    dec.feed(bad)
+    with pytest.raises(FrameError, match=match):
+        dec.next_frame()
+    with pytest.raises(FrameError, match=match):  # the decoder stays failed
+        dec.feed(b"more")
+
+
+def test_max_payload_is_enforced_before_allocation(codec):
+    allocated = []
+    data = codec.encode_frame(Kind.DATA, b"x" * 100, rank=0)
+    dec = codec.FrameDecoder(max_payload=64, allocate=lambda h: allocated.append(h))
+    dec.feed(data[:HEADER_SIZE])
+    with pytest.raises(FrameError, match="100 bytes exceeds the maximum of 64"):
+        dec.next_frame()
+    assert allocated == []
+
+
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        (dict(rank=2**32), "rank"),
+        (dict(key=-1), "key"),
+        (dict(clock=2**64), "clock"),
+        (dict(flags=2**16), "flags"),
+        (dict(dtype=77), "unknown payload dtype"),
+        (dict(dtype=DType.FLOAT32, payload=b"abc"), "whole number"),
+    ],
+)
+def test_encoding_invalid_fields_is_a_local_error(codec, fields, match):
+    fields = dict(fields)
+    payload = fields.pop("payload", b"")
+    with pytest.raises(LocalProtocolError, match=match):
+        codec.encode_frame(Kind.DATA, payload, **fields)
+    with pytest.raises(LocalProtocolError, match="unknown frame kind"):
+        codec.encode_header(200)
+
+
+def _mutations(rng: random.Random, data: bytes) -> bytes:
+    data = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        op = rng.randrange(4)
+        if op == 0 and data:
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        elif op == 1 and data:
+            del data[rng.randrange(len(data)) :]
+        elif op == 2:
+            data[rng.randrange(len(data) + 1) : 0] = rng.randbytes(rng.randint(1, 50))
+        else:
+            data += rng.randbytes(rng.randint(0, 60))
+    return bytes(data)
+
+
+@settings(max_examples=300)
+@given(
+    raw=st.binary(max_size=400),
+    specs=st.lists(frame_specs(), max_size=3),
+    seed=st.integers(0, 2**32),
+    chunk=st.integers(1, 64),
+)
+def test_fuzz_frames_or_frame_error_nothing_else(raw, specs, seed, chunk):
+    """h11's invariant: any input parses or raises the protocol error, nothing else; twins agree."""
+    rng = random.Random(seed)
+    valid = b"".join(_encode(CODECS["python"], s) for s in specs)
+    inputs = [raw, _mutations(rng, valid), valid + raw, _mutations(rng, valid + raw)]
+    for data in inputs:
+        results = {}
+        for name, mod in CODECS.items():
+            dec = mod.FrameDecoder(max_payload=1 << 16)
+            frames, error = [], None
+            try:
+                for i in range(0, len(data), chunk):
+                    dec.feed(data[i : i + chunk])
+                    while (frame := dec.next_frame()) is not None:
+                        frames.append((frame.header, bytes(frame.payload)))
+            except FrameError as exc:
+                error = str(exc)
+            results[name] = (frames, error, dec.buffered if error is None else None)
+        assert len({repr(r) for r in results.values()}) == 1, results
