@@ -60,3 +60,10 @@ def codec(request):
     if request.param not in CODECS:
         pytest.skip("the compiled codec is not built (no compiler, or POSEIDON_NO_EXTENSIONS=1)")
     return CODECS[request.param]
+
+
+def pytest_report_header(config):
+    from poseidon_aio.net import LOOP
+    from poseidon_aio.wire import CODEC
+
+    return f"poseidon_aio: codec {CODEC}, default loop {LOOP}"
