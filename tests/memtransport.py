@@ -105,13 +105,13 @@ class MemTransport(asyncio.Transport):
                 side._loop.call_soon(side.protocol.connection_lost, None)
 
 
-async def connected_pair(client_config, server_config, *, seed: int = 0, max_chunk: int = 4096):
+async def connected_pair(client_config, server_config, *, seed: int = 0, max_chunk: int = 4096, process_shaper=None):
     """Two Connections, handshake done, talking through memory."""
     loop = asyncio.get_running_loop()
     rng = random.Random(seed)
     a, b = MemTransport(loop, rng, max_chunk), MemTransport(loop, rng, max_chunk)
     a.peer, b.peer = b, a
-    client = Connection(Role.CLIENT, 0, client_config)
+    client = Connection(Role.CLIENT, 0, client_config, process_shaper=process_shaper)
     server = Connection(Role.SERVER, 1, server_config)
     a.protocol, b.protocol = client, server
     server.connection_made(b)

@@ -138,3 +138,40 @@ async def test_send_after_close_raises_connection_lost_naming_the_peer():
         await client.send(Kind.DATA, b"late")
     with pytest.raises(ConnectionLost, match="GOODBYE"):
         await server.recv(timeout=5)
+
+
+async def test_ingress_shaping_paces_reads():
+    import time
+
+    from poseidon_aio.net import ShaperConfig
+
+    rate, burst, total = 1e6, 16 * 1024, 200_000
+    server_config = net_config(shaper=ShaperConfig(ingress_rate=rate, burst=burst))
+    client, server = await connected_pair(net_config(), server_config, max_chunk=8192)
+    got = []
+    server.set_handler(lambda f: got.append(f.header.length))
+    started = time.monotonic()
+    for clock in range(total // 10_000):
+        await client.send(Kind.DATA, bytes(10_000), clock=clock)
+    async with asyncio.timeout(10):
+        while sum(got) < total:
+            await asyncio.sleep(0.005)
+    assert time.monotonic() - started >= (total - burst - 8192) / rate * 0.95
+    await client.close()
+
+
+async def test_a_process_shaper_caps_all_its_connections_together():
+    import time
+
+    from poseidon_aio.net import Shaper, TokenBucket
+
+    rate, burst = 2e6, 16 * 1024
+    shared = Shaper(egress=TokenBucket(rate, burst))
+    pairs = [await connected_pair(net_config(), net_config(), process_shaper=shared) for _ in range(2)]
+    started = time.monotonic()
+    await asyncio.gather(
+        *(client.send(Kind.DATA, bytes(50_000), clock=c) for client, _ in pairs for c in range(2))
+    )
+    assert time.monotonic() - started >= (200_000 - burst - 50_000) / rate * 0.95
+    for client, _ in pairs:
+        await client.close()
