@@ -105,14 +105,16 @@ class MemTransport(asyncio.Transport):
                 side._loop.call_soon(side.protocol.connection_lost, None)
 
 
-async def connected_pair(client_config, server_config, *, seed: int = 0, max_chunk: int = 4096, process_shaper=None):
+async def connected_pair(
+    client_config, server_config, *, seed: int = 0, max_chunk: int = 4096, process_shaper=None, client_rank: int = 0, server_rank: int = 1
+):
     """Two Connections, handshake done, talking through memory."""
     loop = asyncio.get_running_loop()
     rng = random.Random(seed)
     a, b = MemTransport(loop, rng, max_chunk), MemTransport(loop, rng, max_chunk)
     a.peer, b.peer = b, a
-    client = Connection(Role.CLIENT, 0, client_config, process_shaper=process_shaper)
-    server = Connection(Role.SERVER, 1, server_config)
+    client = Connection(Role.CLIENT, client_rank, client_config, process_shaper=process_shaper)
+    server = Connection(Role.SERVER, server_rank, server_config)
     a.protocol, b.protocol = client, server
     server.connection_made(b)
     client.connection_made(a)

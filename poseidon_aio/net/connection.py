@@ -29,7 +29,7 @@ import socket
 import sys
 from collections import deque
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Iterable, Optional
 
 from ..errors import (
     ConnectionLost,
@@ -40,7 +40,7 @@ from ..errors import (
     PoseidonError,
     RemoteProtocolError,
 )
-from ..wire import DType, Frame, FrameDecoder, Header, Kind, encode_frame, frame_parts
+from ..wire import DType, Frame, FrameDecoder, Header, Kind, byte_view, encode_frame, encode_header, frame_parts
 from .config import NetConfig
 from .handshake import HANDSHAKE_MAX_PAYLOAD, PROTOCOL_VERSION, Handshake, Role
 from .loop import is_uvloop
@@ -110,6 +110,7 @@ class Connection(asyncio.BufferedProtocol):
         self._closed = self._loop.create_future()
         self._expected: dict = {}
         self._handler: Optional[Callable[[Frame], None]] = None
+        self._handler_kinds: Optional[frozenset] = None
         self._allocate_unclaimed: Optional[Callable[[Header], object]] = None
         self._landing: Optional[tuple] = None  # (kind, key, clock) whose payload lands in its `into`
         self._inbox: deque = deque()
@@ -154,6 +155,10 @@ class Connection(asyncio.BufferedProtocol):
     async def wait_closed(self) -> None:
         await asyncio.shield(self._closed)
 
+    def on_close(self, callback: Callable[["Connection"], None]) -> None:
+        """Call ``callback(conn)`` on the loop once the connection is gone (``error`` says why)."""
+        self._closed.add_done_callback(lambda _: callback(self))
+
     async def send(
         self,
         kind: Kind,
@@ -172,7 +177,8 @@ class Connection(asyncio.BufferedProtocol):
 
         Args:
             kind, key, clock, dtype, flags: header fields (see ``docs/wire.md``).
-            payload: any C-contiguous buffer (bytes, bytearray, memoryview, NumPy array).
+            payload: any C-contiguous buffer (bytes, bytearray, memoryview, NumPy array), or a
+                list of them sent back to back as one payload (gathered, not copied).
             priority: lower values go first among frames waiting on backpressure or the shaper.
         Raises:
             ConnectionLost: the connection is closed or broke (the cause is chained).
@@ -181,8 +187,13 @@ class Connection(asyncio.BufferedProtocol):
         >>> # await conn.send(Kind.PUSH, grad.numpy(), key=3, clock=t, dtype=DType.FLOAT32)
         """
         self._raise_if_closed()
-        parts = frame_parts(kind, payload, rank=self.rank, key=key, clock=clock, dtype=dtype, flags=flags)
-        nbytes = len(parts[0]) + parts[1].nbytes
+        if isinstance(payload, (list, tuple)):
+            views = [byte_view(p) for p in payload]
+            length = sum(v.nbytes for v in views)
+            parts = [encode_header(kind, rank=self.rank, key=key, clock=clock, length=length, dtype=dtype, flags=flags), *views]
+        else:
+            parts = frame_parts(kind, payload, rank=self.rank, key=key, clock=clock, dtype=dtype, flags=flags)
+        nbytes = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
         for bucket in self._egress:
             await bucket.acquire(nbytes, priority)
         if self._write_paused or self._write_waiters:
@@ -240,22 +251,32 @@ class Connection(asyncio.BufferedProtocol):
         self,
         handler: Optional[Callable[[Frame], None]],
         allocate: Optional[Callable[[Header], object]] = None,
+        kinds: Optional[Iterable[Kind]] = None,
     ) -> None:
         """Deliver unclaimed frames to ``handler(frame)`` on the loop instead of the inbox.
 
         Args:
             handler: called with each frame no :meth:`expect` claimed. It must not block; an
-                exception from it closes the connection with that error. Frames already in the
-                inbox are handed over first.
+                exception from it closes the connection with that error. Matching frames already
+                in the inbox are handed over first.
             allocate: called with the header of each unclaimed frame as soon as it is decoded;
                 returns the buffer its payload is received into (zero copy), or ``None``. A
                 parameter-server shard uses it to land pushes in per-key receive slots.
+            kinds: only frames of these kinds go to the handler; the others stay in the inbox,
+                where a later :meth:`expect` claims them (a reply that beat its request).
         """
         self._handler = handler
+        self._handler_kinds = frozenset(kinds) if kinds is not None else None
         self._allocate_unclaimed = allocate
-        while handler is not None and self._inbox:
-            self._take_inbox()
-            handler(self._inbox.popleft())
+        if handler is None:
+            return
+        for frame in [f for f in self._inbox if self._handles(f)]:
+            self._inbox.remove(frame)
+            self._inbox_bytes -= frame.header.length
+            handler(frame)
+
+    def _handles(self, frame: Frame) -> bool:
+        return self._handler is not None and (self._handler_kinds is None or frame.kind in self._handler_kinds)
 
     async def recv(self, timeout: Optional[float] = None) -> Frame:
         """Next unclaimed frame.
@@ -414,9 +435,11 @@ class Connection(asyncio.BufferedProtocol):
                     return
             fut.set_result(frame)
             return
-        if self._handler is not None:
+        if self._handles(frame):
             try:
                 self._handler(frame)
+            except RemoteProtocolError as exc:  # the peer broke the protocol: tell it why
+                self._fail(exc, "error")
             except Exception as exc:  # noqa: BLE001 - a handler bug ends this connection, visibly
                 self._fail(exc, "abort")
             return
@@ -496,13 +519,12 @@ class Connection(asyncio.BufferedProtocol):
 
     def _write(self, parts: list, nbytes: int) -> None:
         self._raise_if_closed()
-        header, view = parts
         transport = self._transport
-        if view.nbytes < _JOIN_BELOW:
-            transport.write(header + view.tobytes())
+        if nbytes < _JOIN_BELOW:
+            transport.write(b"".join(parts))
         elif self._writelines_copies:
-            transport.write(header)
-            transport.write(view)
+            for part in parts:
+                transport.write(part)
         else:
             transport.writelines(parts)
         self.stats.bytes_sent += nbytes
@@ -714,7 +736,7 @@ class Listener:
         finally:
             self._handshaking.discard(conn)
         self.connections.add(conn)
-        conn._closed.add_done_callback(lambda _: self.connections.discard(conn))
+        conn.on_close(self.connections.discard)
         try:
             result = self._on_connection(conn)
             if result is not None:

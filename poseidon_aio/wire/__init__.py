@@ -11,6 +11,7 @@ import os
 from contextlib import suppress
 
 from . import codec as _pycodec
+from .codec import byte_view
 from .layout import (
     DEFAULT_MAX_PAYLOAD,
     FLAG_MORE,
@@ -60,4 +61,5 @@ __all__ = [
     "frame_parts",
     "encode_frame",
     "FrameDecoder",
+    "byte_view",
 ]

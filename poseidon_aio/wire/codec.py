@@ -38,7 +38,7 @@ from .layout import (
     Kind,
 )
 
-__all__ = ["encode_header", "decode_header", "frame_parts", "encode_frame", "FrameDecoder"]
+__all__ = ["encode_header", "decode_header", "frame_parts", "encode_frame", "byte_view", "FrameDecoder"]
 
 Allocator = Callable[[Header], Optional[object]]
 
@@ -142,7 +142,8 @@ def decode_header(data, max_payload: int = DEFAULT_MAX_PAYLOAD) -> Header:
     return Header(Kind(kind), rank, key, clock, length, DType(dtype), flags, version)
 
 
-def _byte_view(payload) -> memoryview:
+def byte_view(payload) -> memoryview:
+    """A flat unsigned-byte view of any C-contiguous buffer, without copying."""
     view = payload if isinstance(payload, memoryview) else memoryview(payload)
     if view.ndim != 1 or view.format != "B":
         if not view.c_contiguous:
@@ -167,7 +168,7 @@ def frame_parts(
     >>> len(parts[0]), bytes(parts[1])
     (40, b'abc')
     """
-    view = _byte_view(payload)
+    view = byte_view(payload)
     header = encode_header(
         kind, rank=rank, key=key, clock=clock, length=view.nbytes, dtype=dtype, flags=flags
     )
@@ -241,7 +242,7 @@ class FrameDecoder:
         """Copy ``data`` in. Call :meth:`next_frame` until it returns ``None`` afterwards."""
         if self._error is not None:
             raise self._error
-        view = _byte_view(data)
+        view = byte_view(data)
         offset = 0
         if self._dest is not None and self._start == self._end:
             n = min(len(view), len(self._dest) - self._filled)
@@ -337,7 +338,7 @@ class FrameDecoder:
         dest = self.allocate(header) if self.allocate is not None else None
         if dest is None:
             return memoryview(bytearray(header.length))
-        view = _byte_view(dest)
+        view = byte_view(dest)
         if view.readonly or view.nbytes != header.length:
             raise LocalProtocolError(
                 f"destination for kind {header.kind.name} key {header.key} clock {header.clock} "

@@ -60,6 +60,7 @@ class Kind(enum.IntEnum):
     AGGREGATE = 18
     PARAMS = 19
     FACTORS = 20
+    PULL = 21
 
 
 KNOWN_KINDS = frozenset(int(k) for k in Kind)

@@ -1,0 +1,289 @@
+"""The worker's side of the parameter server: push a layer's gradient, get a future of its aggregate.
+
+All I/O runs on the worker's event loop. Pushes send the gradient's own memory (views of the
+flattened arrays, gathered into one frame per message); replies of single-key messages are
+received straight into the output arrays. Clocks are tracked per message so that :meth:`gate`
+can enforce SSP: at clock ``t`` every reply up to clock ``t - s - 1`` is in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..cluster.book import InformationBook, Message
+from ..errors import ConnectionLost, LocalProtocolError, PoseidonError, RemoteProtocolError, SyncTimeout
+from ..net.connection import Connection
+from ..wire import Frame, Kind
+from .config import PSConfig
+from .shard import WIRE_DTYPE
+
+log = logging.getLogger("poseidon_aio.ps")
+
+
+class WorkerLeft(PoseidonError):
+    """Another worker left the job; BSP cannot go on without it."""
+
+
+@dataclass
+class PushResult:
+    """What one push cost and what the shards reported."""
+
+    clock: int
+    messages: int
+    bytes_sent: int
+    bytes_received: int
+    dropped: list = field(default_factory=list)
+
+
+class PSClient:
+    """Push/pull against every shard of the job.
+
+    Args:
+        rank: this worker's rank.
+        book: the job's :class:`InformationBook`.
+        config: :class:`PSConfig`.
+        conns: ``{shard: Connection}``.
+        start_clock: the first clock this job runs.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        book: InformationBook,
+        config: PSConfig,
+        conns: dict,
+        *,
+        start_clock: int = 0,
+    ) -> None:
+        self.rank = rank
+        self.book = book
+        self.config = config
+        self.dropped: dict = {}
+        self._conns = conns
+        self._loop = asyncio.get_running_loop()
+        self._total = len(book.messages)
+        self._done: dict = {}
+        self._complete_through = start_clock - 1
+        self._gate_waiters: list = []
+        self._stalls: dict = {}
+        self._failure = self._loop.create_future()
+        for conn in conns.values():
+            conn.set_handler(self._on_notice, kinds={Kind.CONTROL})
+
+    # -- pushes -----------------------------------------------------------------------------
+
+    def push(self, params: Sequence[int], grads: Sequence[np.ndarray], out: Sequence[np.ndarray], clock: int) -> asyncio.Task:
+        """Push the gradients of ``params`` for ``clock``; return a task of the :class:`PushResult`.
+
+        Args:
+            params: manifest indices of the parameters (a layer, or a whole merge group).
+            grads: their gradients, C-contiguous, in the same order.
+            out: where the replies go (mean gradients, or parameters with server-side SGD); may
+                be ``grads`` themselves only if the caller does not need the local gradient —
+                a reply can land while the push is still being sent.
+            clock: the iteration clock.
+        Raises:
+            LocalProtocolError: a message mixes these parameters with others (push the whole
+                merge group), or shapes do not match the manifest.
+
+        >>> # result = await client.push([3, 4], [w_grad, b_grad], [w_out, b_out], clock=t)
+        """
+        index = {p: i for i, p in enumerate(params)}
+        messages = self.book.messages_of_params(params)
+        for m in messages:
+            for key in m.keys:
+                if self.book.pairs[key].param not in index:
+                    other = self.book.manifest[self.book.pairs[key].param].name
+                    raise LocalProtocolError(
+                        f"message {m.id} also carries {other}: push its whole merge group together"
+                    )
+        flat_g = [self._checked(params[i], grads[i]) for i in range(len(params))]
+        flat_o = [self._checked(params[i], out[i]) for i in range(len(params))]
+        return asyncio.ensure_future(self._push(messages, index, flat_g, flat_o, clock))
+
+    def _slices(self, m: Message, flat: list, index: dict) -> list:
+        """Views of the key-value pairs of message ``m`` in the flattened arrays."""
+        out = []
+        for key in m.keys:
+            pair = self.book.pairs[key]
+            out.append(flat[index[pair.param]][pair.offset : pair.offset + pair.numel])
+        return out
+
+    def _checked(self, param: int, array: np.ndarray) -> np.ndarray:
+        spec = self.book.manifest[param]
+        if tuple(array.shape) != spec.shape or str(array.dtype) != spec.dtype:
+            raise LocalProtocolError(
+                f"rank {self.rank}: {spec.name} is {list(array.shape)} {array.dtype}, the manifest says "
+                f"{list(spec.shape)} {spec.dtype}"
+            )
+        if not array.flags.c_contiguous:
+            raise LocalProtocolError(f"rank {self.rank}: {spec.name} must be C-contiguous")
+        return array.reshape(-1)
+
+    async def _push(self, messages, index, flat_g, flat_o, clock: int) -> PushResult:
+        server = self.config.server_sgd is not None
+        reply_kind, reply_clock = (Kind.PARAMS, clock + 1) if server else (Kind.AGGREGATE, clock)
+        waits, sends, scatter, sent, received = [], [], [], 0, 0
+        for m in messages:
+            conn = self._conns[m.shard]
+            parts, outs = self._slices(m, flat_g, index), self._slices(m, flat_o, index)
+            if len(outs) == 1:
+                into = outs[0]
+            else:
+                into = np.empty(sum(o.size for o in outs), dtype=outs[0].dtype)
+                scatter.append((into, outs))
+            waits.append((m, conn.expect(reply_kind, m.id, reply_clock, into=into)))
+            sends.append(conn.send(Kind.PUSH, parts, key=m.id, clock=clock, dtype=WIRE_DTYPE[m.dtype]))
+            sent += m.nbytes
+            received += m.nbytes
+        try:
+            await self._bounded(asyncio.gather(*sends), f"sending clock {clock}", messages, clock)
+            await self._bounded(asyncio.gather(*(f for _, f in waits)), f"replies for clock {clock}", messages, clock)
+        except BaseException:
+            for _, fut in waits:
+                fut.cancel()
+            raise
+        for into, outs in scatter:
+            offset = 0
+            for o in outs:
+                o[:] = into[offset : offset + o.size]
+                offset += o.size
+        self._count(clock, len(messages))
+        return PushResult(clock, len(messages), sent, received, sorted(self.dropped.get(clock, ())))
+
+    async def _bounded(self, aw, what: str, messages: Sequence[Message], clock: int):
+        """Await ``aw`` against the sync timeout and a failure notice from any shard."""
+        task = asyncio.ensure_future(aw)
+        done, _ = await asyncio.wait({task, self._failure}, timeout=self.config.sync_timeout, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if self._failure.done():
+            raise self._failure.exception()
+        names = sorted({self.book.manifest[self.book.pairs[k].param].name for m in messages for k in m.keys})
+        shards = sorted({m.shard for m in messages})
+        stalls = [self._stalls[(m.id, clock)] for m in messages if (m.id, clock) in self._stalls]
+        hint = (
+            f"; shard {stalls[0]['shard']} reported waiting for ranks {stalls[0]['waiting_for']}"
+            if stalls
+            else "; a worker may be dead or stalled (see the shards' logs)"
+        )
+        raise SyncTimeout(
+            f"rank {self.rank}: {what} of {', '.join(names)} (shards {shards}) did not complete "
+            f"within {self.config.sync_timeout} s{hint}"
+        )
+
+    def _count(self, clock: int, n: int) -> None:
+        self._done[clock] = self._done.get(clock, 0) + n
+        while self._done.get(self._complete_through + 1, 0) >= self._total:
+            self._done.pop(self._complete_through + 1)
+            self._complete_through += 1
+        still = []
+        for need, fut in self._gate_waiters:
+            if need <= self._complete_through:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                still.append((need, fut))
+        self._gate_waiters = still
+
+    @property
+    def complete_through(self) -> int:
+        """The newest clock ``c`` such that every reply up to ``c`` is in."""
+        return self._complete_through
+
+    async def gate(self, clock: int) -> None:
+        """SSP: return once every reply up to ``clock - staleness - 1`` is in.
+
+        Raises:
+            SyncTimeout: not within ``config.sync_timeout``.
+        """
+        need = clock - self.config.staleness - 1
+        if need <= self._complete_through:
+            return
+        fut = self._loop.create_future()
+        self._gate_waiters.append((need, fut))
+        try:
+            await self._bounded(fut, f"the SSP gate at clock {clock} (waiting for clock {need})", self.book.messages, need)
+        finally:
+            if not fut.done():
+                fut.cancel()
+
+    # -- parameters -------------------------------------------------------------------------
+
+    async def pull(self, params: Sequence[int], out: Sequence[np.ndarray], clock: int) -> None:
+        """Fetch the parameters of ``params`` for ``clock`` from the shards into ``out``."""
+        index = {p: i for i, p in enumerate(params)}
+        flat = [self._checked(params[i], out[i]) for i in range(len(params))]
+        waits, scatter = [], []
+        messages = self.book.messages_of_params(params)
+        for m in messages:
+            conn = self._conns[m.shard]
+            outs = self._slices(m, flat, index)
+            into = outs[0] if len(outs) == 1 else np.empty(sum(o.size for o in outs), dtype=outs[0].dtype)
+            if len(outs) > 1:
+                scatter.append((into, outs))
+            waits.append(conn.expect(Kind.PARAMS, m.id, clock, into=into))
+            await conn.send(Kind.PULL, b"", key=m.id, clock=clock, dtype=WIRE_DTYPE[m.dtype])
+        await self._bounded(asyncio.gather(*waits), f"pulling parameters for clock {clock}", messages, clock)
+        for into, outs in scatter:
+            offset = 0
+            for o in outs:
+                o[:] = into[offset : offset + o.size]
+                offset += o.size
+
+    async def broadcast(self, params: Sequence[int], arrays: Sequence[np.ndarray], clock: int, root: int = 0) -> None:
+        """Make every worker's ``arrays`` equal to ``root``'s, through the shards.
+
+        The root sends its values (and, with server-side SGD, the shards adopt them as the model);
+        the other workers pull them.
+        """
+        if self.rank != root:
+            await self.pull(params, arrays, clock)
+            return
+        index = {p: i for i, p in enumerate(params)}
+        flat = [self._checked(params[i], arrays[i]) for i in range(len(params))]
+        for m in self.book.messages_of_params(params):
+            parts = self._slices(m, flat, index)
+            await self._conns[m.shard].send(Kind.PARAMS, parts, key=m.id, clock=clock, dtype=WIRE_DTYPE[m.dtype])
+
+    # -- notices from shards ----------------------------------------------------------------
+
+    def _on_notice(self, frame: Frame) -> None:
+        try:
+            info = json.loads(bytes(frame.payload).decode("utf-8"))
+            kind = info["type"]
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+            raise RemoteProtocolError(f"rank {self.rank} got a malformed notice from rank {frame.rank}") from None
+        if kind == "dropped":
+            ranks = [int(r) for r in info["ranks"]]
+            self.dropped.setdefault(int(info["clock"]), set()).update(ranks)
+            log.warning("rank %d: ranks %s were dropped from clock %s (shard %s)", self.rank, ranks, info["clock"], info["shard"])
+        elif kind == "stalled":
+            self._stalls[(int(info["message"]), int(info["clock"]))] = info
+        elif kind == "failed":
+            if not self._failure.done():
+                self._failure.set_exception(WorkerLeft(f"rank {self.rank} was told by shard {info['shard']}: {info['reason']}"))
+                self._failure.exception()
+        else:
+            log.info("rank %d: ignoring notice of unknown type %r", self.rank, kind)
+
+    def fail(self, exc: BaseException) -> None:
+        """Fail every wait of this client with ``exc`` (e.g. when the job is shutting down)."""
+        if not self._failure.done():
+            self._failure.set_exception(exc)
+            self._failure.exception()
+
+    @property
+    def connections(self) -> dict:
+        return dict(self._conns)
+
+
+__all__ = ["PSClient", "PushResult", "WorkerLeft", "ConnectionLost"]

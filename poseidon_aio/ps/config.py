@@ -1,0 +1,114 @@
+"""Settings of the parameter server: one dataclass per concern, validated, with working defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..cluster.book import DEFAULT_CHUNK_BYTES
+from ..errors import ConfigError
+
+
+@dataclass
+class StragglerPolicy:
+    """When a shard stops waiting for slow workers.
+
+    Off by default (``deadline=None``): every key waits for every worker, as BSP and SSP define.
+    With a deadline, a key whose first push arrived ``deadline`` seconds ago finalizes with the
+    workers present if at least ``quorum`` of them are; the aggregate is then the mean over those
+    contributors, the missing ranks are reported to every worker and late pushes are discarded.
+
+    Args:
+        deadline: seconds after a key's first push, or ``"adaptive"``: ``factor`` times the 90th
+            percentile of the arrival spread of the last 64 keys this shard finalized with
+            everyone, clamped to ``[min_deadline, max_deadline]``.
+        quorum: least contributors for a dropping finalization (default: a majority of workers).
+    """
+
+    deadline: Optional[float | str] = None
+    quorum: Optional[int] = None
+    factor: float = 3.0
+    min_deadline: float = 0.05
+    max_deadline: float = 30.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.deadline, str) and self.deadline != "adaptive":
+            raise ConfigError(f"StragglerPolicy.deadline must be seconds, 'adaptive' or None, got {self.deadline!r}")
+        if isinstance(self.deadline, (int, float)) and self.deadline <= 0:
+            raise ConfigError(f"StragglerPolicy.deadline must be > 0 seconds, got {self.deadline}")
+        if self.quorum is not None and self.quorum < 1:
+            raise ConfigError(f"StragglerPolicy.quorum must be >= 1, got {self.quorum}")
+        if not 0 < self.min_deadline <= self.max_deadline:
+            raise ConfigError("StragglerPolicy needs 0 < min_deadline <= max_deadline")
+
+    @property
+    def enabled(self) -> bool:
+        return self.deadline is not None
+
+    def quorum_of(self, workers: int) -> int:
+        return min(workers, self.quorum if self.quorum is not None else workers // 2 + 1)
+
+
+@dataclass
+class ServerSGD:
+    """Apply SGD on the shards (ATC'17's KV store does); workers then receive parameters.
+
+    ``v = momentum * v + (g + weight_decay * w); w -= lr * v`` — ``torch.optim.SGD``'s rule.
+    """
+
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.momentum < 0 or self.weight_decay < 0:
+            raise ConfigError(f"ServerSGD needs lr > 0, momentum >= 0, weight_decay >= 0: {self}")
+
+
+@dataclass
+class PSConfig:
+    """How the parameter server is laid out and behaves.
+
+    Args:
+        shards: P2; shards are hosted by worker ranks ``0..P2-1`` (default: every worker hosts
+            one, the paper's co-located layout).
+        chunk_bytes: largest key-value pair (2 MiB: ATC'17's granularity).
+        staleness: the SSP bound ``s``; 0 is BSP. A worker at clock ``t`` proceeds once every
+            aggregate up to clock ``t - s - 1`` is in.
+        stragglers: see :class:`StragglerPolicy`.
+        server_sgd: apply SGD on the shards and return parameters instead of gradients.
+        checkpoint_dir, checkpoint_every: every N clocks each shard writes its state atomically
+            (server-side SGD, where shards own the model); 0 disables.
+        sync_timeout: seconds a worker waits for any one aggregate before :class:`SyncTimeout`.
+        rendezvous_timeout: seconds for every rank to show up at start-up.
+        placement: ``"balanced"`` or ``"tensor"`` (see :class:`InformationBook`).
+    """
+
+    shards: Optional[int] = None
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    staleness: int = 0
+    stragglers: StragglerPolicy = field(default_factory=StragglerPolicy)
+    server_sgd: Optional[ServerSGD] = None
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    sync_timeout: float = 120.0
+    rendezvous_timeout: float = 60.0
+    placement: str = "balanced"
+
+    def __post_init__(self) -> None:
+        if self.shards is not None and self.shards < 1:
+            raise ConfigError(f"PSConfig.shards must be >= 1, got {self.shards}")
+        if self.staleness < 0:
+            raise ConfigError(f"PSConfig.staleness must be >= 0, got {self.staleness}")
+        if self.checkpoint_every < 0:
+            raise ConfigError("PSConfig.checkpoint_every must be >= 0")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ConfigError("PSConfig.checkpoint_every needs checkpoint_dir")
+        if self.sync_timeout <= 0 or self.rendezvous_timeout <= 0:
+            raise ConfigError("PSConfig timeouts must be > 0 seconds")
+
+    def shards_for(self, workers: int) -> int:
+        shards = self.shards or workers
+        if shards > workers:
+            raise ConfigError(f"PSConfig.shards={shards} but only {workers} workers host shards")
+        return shards

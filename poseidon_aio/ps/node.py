@@ -1,0 +1,155 @@
+"""One worker process's parameter server: rendezvous, its co-located shard, its client.
+
+    async with await PSNode.start(manifest, PSConfig()) as node:
+        result = await node.client.push([0, 1], [w_grad, b_grad], [w_out, b_out], clock=0)
+
+Start-up, on every rank: read the launcher's environment, meet at the TCPStore, compare manifests
+(a mismatch fails every rank, naming the parameter), compute the information book and compare its
+digest, agree on the start clock (the newest checkpoint every shard completed, with server-side
+SGD), host shard ``rank`` if ``rank < P2``, connect to every shard, and pass a barrier so no push
+reaches a shard before every worker can receive its reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Optional, Sequence
+
+from ..cluster.book import InformationBook
+from ..cluster.manifest import Manifest
+from ..cluster.rendezvous import ClusterEnv, Rendezvous, advertise_host
+from ..net import NetConfig, connect, listen
+from . import checkpoint
+from .client import PSClient
+from .config import PSConfig
+from .shard import KVShard
+
+log = logging.getLogger("poseidon_aio.ps")
+
+
+class PSNode:
+    """The parameter-server side of one worker process. Build it with :meth:`start`."""
+
+    def __init__(self) -> None:
+        self.env: ClusterEnv
+        self.rank: int
+        self.book: InformationBook
+        self.config: PSConfig
+        self.client: PSClient
+        self.shard: Optional[KVShard] = None
+        self.start_clock = 0
+        self.resumed = False
+        self._rdzv: Rendezvous
+        self._listener = None
+
+    @classmethod
+    async def start(
+        cls,
+        manifest: Manifest,
+        config: Optional[PSConfig] = None,
+        *,
+        env: Optional[ClusterEnv] = None,
+        net: Optional[NetConfig] = None,
+        groups: Optional[Sequence[Sequence[str]]] = None,
+        start_clock: int = 0,
+    ) -> "PSNode":
+        """Join the job and return a ready node.
+
+        Args:
+            manifest: this rank's model manifest (must equal every other rank's).
+            config: :class:`PSConfig`.
+            env: the launcher environment (default: read from ``os.environ``).
+            net: connection settings; without it, rank 0 draws a random cluster token and shares
+                it through the rendezvous store. That guards against cross-talk with other jobs,
+                not against someone who can reach the store: pass ``net`` with your own token then.
+            groups: merge groups for the information book (MG-WFBP).
+            start_clock: the clock to start at, when no shard checkpoint says otherwise.
+        Raises:
+            ConfigError, ManifestMismatch, PeerTimeout, CheckpointError: start-up failed.
+        """
+        self = cls()
+        config = config or PSConfig()
+        self.config = config
+        self.env = env or ClusterEnv.from_env()
+        self.rank = self.env.rank
+        self._rdzv = Rendezvous(self.env, timeout=config.rendezvous_timeout)
+        await self._rdzv.start()
+        try:
+            await self._join(manifest, net, groups, start_clock)
+        except BaseException:
+            await self._teardown()
+            raise
+        return self
+
+    async def _join(self, manifest, net, groups, start_clock) -> None:
+        rdzv, env, config = self._rdzv, self.env, self.config
+        if net is None:
+            if env.rank == 0:
+                await rdzv.publish("token", os.urandom(32).hex())
+            net = NetConfig(token=bytes.fromhex(await rdzv.read("token", who="rank 0")))
+        await rdzv.check_manifest(manifest)
+        workers = env.world_size
+        shards = config.shards_for(workers)
+        self.book = InformationBook(
+            manifest, workers=workers, shards=shards, chunk_bytes=config.chunk_bytes, groups=groups, placement=config.placement
+        )
+        await rdzv.check_digest("information book", self.book.digest())
+        hosting = env.rank < shards
+        state = None
+        if config.server_sgd is not None and config.checkpoint_dir:
+            mine = checkpoint.complete_clocks(config.checkpoint_dir, env.rank, self.book.digest()) if hosting else []
+            seen = await rdzv.exchange("checkpoints", ",".join(map(str, mine)), range(env.world_size))
+            by_shard = {r: [int(c) for c in seen[r].split(",") if c] for r in range(shards)}
+            resume = checkpoint.newest_common(by_shard)
+            if resume is not None:
+                start_clock, self.resumed = resume, True
+                if hosting:
+                    state = checkpoint.read(config.checkpoint_dir, env.rank, resume, self.book.digest())
+                log.info("rank %d: resuming from the checkpoint at clock %d", env.rank, resume)
+        await rdzv.check_digest("start clock", str(start_clock))
+        self.start_clock = start_clock
+        host = advertise_host(env.master_addr)
+        if hosting:
+            self.shard = KVShard(env.rank, self.book, config, start_clock=start_clock, state=state)
+            self._listener = await listen(host, 0, rank=env.rank, config=net, on_connection=self.shard.attach)
+            await rdzv.publish(f"addr/shard/{env.rank}", f"{host}:{self._listener.address[1]}")
+        conns = {}
+        for s in range(shards):
+            where = await rdzv.read(f"addr/shard/{s}", who=f"rank {s} (shard {s})")
+            h, p = where.rsplit(":", 1)
+            conns[s] = await connect(h, int(p), rank=env.rank, config=net)
+        self.client = PSClient(env.rank, self.book, config, conns, start_clock=start_clock)
+        await rdzv.barrier("ps-ready")
+
+    async def close(self) -> None:
+        """Leave the job: wait until every rank is done, then close connections and the shard."""
+        try:
+            await self._rdzv.barrier("ps-done")
+        except BaseException:
+            await self._teardown()
+            raise
+        await self._teardown(linger=None)
+
+    async def _teardown(self, linger: Optional[float] = 5.0) -> None:
+        client = getattr(self, "client", None)
+        if client is not None:
+            for conn in client.connections.values():
+                await conn.close()
+        if self._listener is not None:
+            await self._listener.close()
+        if self.shard is not None:
+            await self.shard.close()
+        await self._rdzv.leave(linger)
+
+    async def __aenter__(self) -> "PSNode":
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            await self.close()
+        else:
+            if getattr(self, "client", None) is not None:
+                self.client.fail(exc if isinstance(exc, Exception) else asyncio.CancelledError())
+            await self._teardown()

@@ -1,0 +1,91 @@
+"""Launch real worker processes the way torchrun would: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT in each one's environment, a fresh TCPStore port per job.
+
+``run_workers(world, target, *args)`` spawns ``target(rank, *args)`` in ``world`` processes and
+returns each rank's return value (or raises with the rank's traceback). Results travel back over a
+multiprocessing queue: a test harness channel, never the data path.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import socket
+import time
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, env: dict, out, target, args) -> None:
+    os.environ.update(env)
+    try:
+        out.put((rank, "ok", target(rank, *args)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent with its traceback
+        out.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
+
+
+class WorkerFailed(AssertionError):
+    def __init__(self, rank: int, kind: str, message: str, tb: str) -> None:
+        super().__init__(f"rank {rank} raised {kind}: {message}\n{tb}")
+        self.rank, self.kind, self.message = rank, kind, message
+
+
+def start_workers(world: int, target, *args, port: int | None = None, env: dict | None = None):
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    port = port or free_port()
+    procs = []
+    for rank in range(world):
+        penv = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            **(env or {}),
+        }
+        p = ctx.Process(target=_entry, args=(rank, penv, out, target, args), daemon=True)
+        p.start()
+        procs.append(p)
+    return procs, out
+
+
+def collect(procs, out, timeout: float = 90.0, expect_errors: bool = False) -> dict:
+    deadline = time.monotonic() + timeout
+    results, errors = {}, {}
+    try:
+        while len(results) + len(errors) < len(procs):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"workers {sorted(set(range(len(procs))) - set(results) - set(errors))} did not finish within {timeout} s")
+            try:
+                rank, status, value = out.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results and r not in errors]
+                if dead and not expect_errors:
+                    raise AssertionError(f"worker(s) {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
+                for r in dead:
+                    errors[r] = ("died", f"exit code {procs[r].exitcode}", "")
+                continue
+            (results if status == "ok" else errors)[rank] = value
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    if errors and not expect_errors:
+        rank = min(errors)
+        raise WorkerFailed(rank, *errors[rank])
+    return errors if expect_errors else results
+
+
+def run_workers(world: int, target, *args, timeout: float = 90.0, **kwargs) -> dict:
+    procs, out = start_workers(world, target, *args, **kwargs)
+    return collect(procs, out, timeout)

@@ -1,0 +1,121 @@
+"""Information book, manifest and checkpoints: pure functions, no sockets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from poseidon_aio.cluster import InformationBook, Manifest, ManifestMismatch, ParamSpec
+from poseidon_aio.cluster.manifest import first_difference
+from poseidon_aio.cluster.models import PRESETS, resnet50, vgg19
+from poseidon_aio.errors import ConfigError
+from poseidon_aio.ps import checkpoint
+
+shapes = st.lists(
+    st.lists(st.integers(1, 60), min_size=1, max_size=3).map(tuple), min_size=1, max_size=12
+)
+
+
+def manifest(shape_list, dtype="float32") -> Manifest:
+    return Manifest(ParamSpec(f"layer{i}.weight", s, dtype) for i, s in enumerate(shape_list))
+
+
+@settings(max_examples=80, deadline=None)
+@given(shape_list=shapes, workers=st.integers(1, 8), shards=st.integers(1, 8), chunk=st.sampled_from([256, 1000, 4096, 1 << 20]))
+def test_every_element_in_exactly_one_pair_no_pair_over_the_chunk(shape_list, workers, shards, chunk):
+    m = manifest(shape_list)
+    book = InformationBook(m, workers=workers, shards=shards, chunk_bytes=chunk)
+    for index, spec in enumerate(m):
+        pairs = [p for p in book.pairs if p.param == index]
+        assert [p.offset for p in pairs] == list(np.cumsum([0] + [p.numel for p in pairs])[:-1])
+        assert sum(p.numel for p in pairs) == spec.numel
+    assert all(p.nbytes <= max(chunk, 4) for p in book.pairs)
+    assert all(0 <= p.shard < shards for p in book.pairs)
+    # Messages: each key in exactly one, all keys of a message on its shard, none over the chunk.
+    keys = sorted(k for msg in book.messages for k in msg.keys)
+    assert keys == list(range(len(book.pairs)))
+    assert all(book.pairs[k].shard == msg.shard for msg in book.messages for k in msg.keys)
+    assert all(msg.nbytes <= chunk or len(msg.keys) == 1 for msg in book.messages)
+    # Deterministic: recomputing (as every rank does) gives the same digest.
+    again = InformationBook(manifest(shape_list), workers=workers, shards=shards, chunk_bytes=chunk)
+    assert again.digest() == book.digest()
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape_list=shapes, shards=st.integers(1, 8))
+def test_balanced_placement_is_within_one_pair_of_the_mean(shape_list, shards):
+    book = InformationBook(manifest(shape_list), workers=4, shards=shards, chunk_bytes=4096)
+    load = book.shard_bytes()
+    largest_pair = max(p.nbytes for p in book.pairs)
+    assert max(load) <= sum(load) / shards + largest_pair
+
+
+def test_vgg19_over_8_shards_is_balanced_where_one_tensor_per_shard_is_not():
+    balanced = InformationBook(vgg19(), workers=8, shards=8)
+    tensor = InformationBook(vgg19(), workers=8, shards=8, placement="tensor")
+    assert balanced.max_over_mean() <= 1.05
+    assert tensor.max_over_mean() > 3  # fc6's 411 MB weight lands on one shard
+    assert sum(s.numel for s in vgg19()) == 143_667_240
+
+
+def test_resnet50_has_its_real_layer_count_and_size():
+    m = resnet50()
+    assert len(m) == 161 and sum(s.numel for s in m) == 25_557_032
+
+
+def test_queries():
+    book = InformationBook(manifest([(1000, 1000), (10,)]), workers=2, shards=3, chunk_bytes=1 << 20)
+    pairs = book.keys_of("layer0.weight")
+    assert len(pairs) == 4 and {p.shard for p in pairs} == {0, 1, 2}
+    assert book.shard_of(pairs[0].key) == pairs[0].shard
+    assert book.message_of(pairs[0].key).keys == (pairs[0].key,)
+    assert [m.id for m in book.messages_of_params([1])] == [book.message_of(book.keys_of("layer1.weight")[0].key).id]
+
+
+def test_merge_groups_pack_small_layers_per_shard():
+    m = manifest([(8,)] * 6)
+    solo = InformationBook(m, workers=2, shards=2)
+    merged = InformationBook(m, workers=2, shards=2, groups=[[s.name for s in m]])
+    assert len(solo.messages) == 6 and len(merged.messages) == 2
+    assert solo.pairs == merged.pairs  # the merge plan moves no key
+    with pytest.raises(ConfigError, match="not consecutive"):
+        InformationBook(m, workers=2, shards=2, groups=[["layer0.weight", "layer2.weight"]])
+
+
+def test_manifest_differences_name_the_parameter():
+    a = manifest([(3, 4), (5,)])
+    b = manifest([(3, 4), (6,)])
+    assert "layer1.weight [5] float32 vs layer1.weight [6] float32" in first_difference(a, b)
+    assert first_difference(a, a) is None
+    assert "more parameter" in first_difference(a, manifest([(3, 4)]))
+    with pytest.raises(ManifestMismatch):
+        Manifest.from_json("not json")
+    with pytest.raises(ConfigError, match="bfloat16"):
+        ParamSpec("x", (2,), "bfloat16")
+
+
+def test_presets_build():
+    for name, build in PRESETS.items():
+        assert InformationBook(build(), workers=4, shards=4).max_over_mean() < 1.1, name
+
+
+def test_checkpoint_round_trip_and_corruption(tmp_path):
+    root = str(tmp_path)
+    arrays = {"w0": np.arange(10, dtype=np.float32), "v0": np.zeros(10, dtype=np.float32)}
+    checkpoint.write(root, 1, 4, "book-a", arrays)
+    checkpoint.write(root, 1, 6, "book-a", arrays)
+    assert checkpoint.complete_clocks(root, 1, "book-a") == [4, 6]
+    assert checkpoint.complete_clocks(root, 1, "book-b") == []
+    got = checkpoint.read(root, 1, 6, "book-a")
+    assert all(np.array_equal(got[k], arrays[k]) for k in arrays)
+    npz = checkpoint.shard_dir(root, 1) / "clock-0000000006.npz"
+    npz.write_bytes(npz.read_bytes()[:-3])  # a torn write
+    assert checkpoint.complete_clocks(root, 1, "book-a") == [4]
+    with pytest.raises(checkpoint.CheckpointError, match="corrupt"):
+        checkpoint.read(root, 1, 6, "book-a")
+    with pytest.raises(checkpoint.CheckpointError, match="another model"):
+        checkpoint.read(root, 1, 4, "book-b")
+    assert checkpoint.newest_common({0: [2, 4, 6], 1: [2, 4]}) == 4
+    assert checkpoint.newest_common({0: [2], 1: []}) is None

@@ -1,0 +1,125 @@
+"""KVShard on in-memory connections: aggregation order, straggler policy, protocol errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from poseidon_aio.cluster import InformationBook, Manifest, ParamSpec
+from poseidon_aio.errors import ConnectionLost
+from poseidon_aio.net import new_event_loop
+from poseidon_aio.ps import KVShard, PSConfig, StragglerPolicy, reduce_mean
+from poseidon_aio.wire import DType, Kind
+
+from .memtransport import connected_pair
+from .procs import net_config
+
+
+def run_async(coro):
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(asyncio.wait_for(coro, 30))
+    finally:
+        loop.close()
+
+
+async def shard_with_workers(workers: int, book: InformationBook, config: PSConfig, seed: int = 0):
+    shard = KVShard(0, book, config)
+    clients = []
+    for r in range(workers):
+        client, server = await connected_pair(net_config(), net_config(), seed=seed + r, client_rank=r, server_rank=99)
+        shard.attach(server)
+        clients.append(client)
+    return shard, clients
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    workers=st.integers(2, 5),
+    order=st.randoms(use_true_random=False),
+    numel=st.integers(1, 3000),
+    seed=st.integers(0, 1000),
+)
+def test_aggregate_bits_do_not_depend_on_push_order(workers, order, numel, seed):
+    async def scenario():
+        book = InformationBook(Manifest([ParamSpec("w", (numel,))]), workers=workers, shards=1, chunk_bytes=1 << 30)
+        shard, clients = await shard_with_workers(workers, book, PSConfig(), seed)
+        grads = [np.random.default_rng([seed, r]).standard_normal(numel, dtype=np.float32) * 10 ** r for r in range(workers)]
+        outs = [np.empty(numel, dtype=np.float32) for _ in range(workers)]
+        waits = [c.expect(Kind.AGGREGATE, 0, 0, into=o) for c, o in zip(clients, outs)]
+        ranks = list(range(workers))
+        order.shuffle(ranks)
+        for r in ranks:
+            await clients[r].send(Kind.PUSH, grads[r], key=0, clock=0, dtype=DType.FLOAT32)
+            for _ in range(order.randint(0, 5)):
+                await asyncio.sleep(0)
+        await asyncio.gather(*waits)
+        expected = reduce_mean(np.stack(grads), list(range(workers)))
+        for o in outs:
+            assert o.tobytes() == expected.tobytes()
+        reference = np.mean(np.stack(grads).astype(np.float64), axis=0)
+        np.testing.assert_allclose(outs[0], reference, rtol=1e-5, atol=1e-5 * np.abs(np.stack(grads)).max())
+        for c in clients:
+            await c.close()
+        await shard.close()
+
+    run_async(scenario())
+
+
+async def test_deadline_finalizes_with_a_quorum_and_discards_the_late_push():
+    book = InformationBook(Manifest([ParamSpec("w", (64,))]), workers=3, shards=1)
+    config = PSConfig(stragglers=StragglerPolicy(deadline=0.1, quorum=2))
+    shard, clients = await shard_with_workers(3, book, config)
+    grads = [np.full(64, float(r + 1), dtype=np.float32) for r in range(3)]
+    outs = [np.empty(64, dtype=np.float32) for _ in range(3)]
+    waits = [c.expect(Kind.AGGREGATE, 0, 0, into=o) for c, o in zip(clients, outs)]
+    for r in (0, 1):
+        await clients[r].send(Kind.PUSH, grads[r], key=0, clock=0, dtype=DType.FLOAT32)
+    await asyncio.gather(waits[0], waits[1])
+    assert np.all(outs[0] == 1.5) and shard.stats.dropped == {2: 1}
+    await clients[2].send(Kind.PUSH, grads[2], key=0, clock=0, dtype=DType.FLOAT32)  # too late
+    await waits[2]  # the straggler still gets the aggregate it missed
+    assert np.all(outs[2] == 1.5)
+    while shard.stats.late_discarded == 0:
+        await asyncio.sleep(0.01)
+    for c in clients:
+        await c.close()
+    await shard.close()
+
+
+async def test_quorum_not_met_keeps_waiting():
+    book = InformationBook(Manifest([ParamSpec("w", (8,))]), workers=3, shards=1)
+    config = PSConfig(stragglers=StragglerPolicy(deadline=0.05, quorum=3))
+    shard, clients = await shard_with_workers(3, book, config)
+    wait = clients[0].expect(Kind.AGGREGATE, 0, 0)
+    await clients[0].send(Kind.PUSH, np.ones(8, np.float32), key=0, clock=0, dtype=DType.FLOAT32)
+    await asyncio.sleep(0.2)
+    assert not wait.done() and shard.pending_ranks() == {(0, 0): [1, 2]}
+    for c in clients:
+        await c.close()
+    await shard.close()
+
+
+@pytest.mark.parametrize(
+    "push,match",
+    [
+        (dict(payload=np.ones(7, np.float32), key=0), "expects 32 bytes of float32"),
+        (dict(payload=np.ones(8, np.float64)[:4], key=0, dtype=DType.FLOAT64), "the ranks' parameter shapes differ"),
+        (dict(payload=np.ones(8, np.float32), key=5), "does not hold it"),
+    ],
+)
+async def test_malformed_pushes_end_the_connection_with_the_reason(push, match):
+    book = InformationBook(Manifest([ParamSpec("w", (8,))]), workers=2, shards=1)
+    shard, clients = await shard_with_workers(2, book, PSConfig())
+    fields = {"dtype": DType.FLOAT32, "clock": 0, **push}
+    payload = fields.pop("payload")
+    await clients[0].send(Kind.PUSH, payload, **fields)
+    with pytest.raises(ConnectionLost, match=match):
+        await clients[0].recv(timeout=5)
+    for c in clients:
+        await c.close()
+    await shard.close()
