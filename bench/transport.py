@@ -124,7 +124,6 @@ def _ours_receiver(pipe, senders: int, frame: int, frames_each: int) -> None:
 
 
 def _ours_sender(port: int, frame: int, frames_each: int) -> None:
-    import asyncio
 
     import numpy as np
 

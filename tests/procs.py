@@ -105,7 +105,7 @@ def slow_reader(pipe, delay: float, overrides: dict) -> None:
                 if frame.kind is Kind.CONTROL:
                     break
                 await asyncio.sleep(delay)
-            seen.update(frames=count, max_inbox=conn.stats.max_inbox_bytes)
+            seen.update(frames=count, max_inbox=conn.max_inbox_bytes)
             await conn.send(Kind.CONTROL, b"done")
             done.set()
 

@@ -105,7 +105,7 @@ async def test_inbox_pauses_reading_until_the_consumer_catches_up():
     for _ in range(200):
         await asyncio.sleep(0)
     # Reading pauses once the inbox passes the mark; bytes of the read in hand still decode.
-    assert server.stats.max_inbox_bytes <= 10_000 + 4096 + 4000
+    assert server.max_inbox_bytes <= 10_000 + 4096 + 4000
     for clock in range(10):
         assert (await server.recv(timeout=5)).clock == clock
     await client.close()
@@ -175,3 +175,37 @@ async def test_a_process_shaper_caps_all_its_connections_together():
     assert time.monotonic() - started >= (200_000 - burst - 50_000) / rate * 0.95
     for client, _ in pairs:
         await client.close()
+
+
+async def test_local_link_lands_payloads_and_propagates_close():
+    from poseidon_aio.net import LocalLink
+
+    a, b = LocalLink.pair(0, 0)
+    into = np.zeros(6, dtype=np.float32)
+    fut = b.expect(Kind.AGGREGATE, 2, 5, into=into)
+    await a.send(Kind.AGGREGATE, [np.ones(2, np.float32), np.full(4, 2, np.float32)], key=2, clock=5, dtype=DType.FLOAT32)
+    frame = await fut
+    assert into.tolist() == [1, 1, 2, 2, 2, 2] and frame.payload.obj is not None
+    await a.send(Kind.DATA, b"early", key=1, clock=1)  # nobody expects it yet: the inbox keeps it
+    assert bytes((await b.expect(Kind.DATA, 1, 1)).payload) == b"early"
+    pending = b.expect(Kind.DATA, 9, 9)
+    await a.close()
+    with pytest.raises(ConnectionLost, match="ended the link"):
+        await pending
+    with pytest.raises(ConnectionLost):
+        await b.send(Kind.DATA, b"x")
+
+
+def test_reply_buffers_are_reused_only_once_nobody_holds_them():
+    from poseidon_aio.ps.shard import _ReplyBuffers
+
+    pool = _ReplyBuffers()
+    dt = np.dtype(np.float32)
+    first = pool.take(0, 8, dt)
+    first_id = id(first)
+    view = memoryview(first)  # a transport still reading it
+    second_id = id(pool.take(0, 8, dt))
+    del view, first
+    # ids, not objects, in the asserts: pytest's assertion rewriting would keep references alive.
+    reused = {id(pool.take(0, 8, dt)) for _ in range(3)}
+    assert second_id != first_id and reused <= {first_id, second_id}

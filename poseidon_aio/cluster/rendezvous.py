@@ -98,6 +98,7 @@ class Rendezvous:
         self.timeout = timeout
         self.namespace = namespace
         self._store = None
+        self._owner = True  # False for scoped views: leaving is their parent's business
 
     async def start(self) -> None:
         """Connect to (on rank 0: host) the store at MASTER_ADDR:MASTER_PORT."""
@@ -122,6 +123,18 @@ class Rendezvous:
                 f"rank {self.env.rank} could not reach the rendezvous store at "
                 f"{self.env.master_addr}:{self.env.master_port} within {self.timeout} s: {exc}"
             ) from None
+
+    @property
+    def store(self):
+        """The underlying ``TCPStore`` (e.g. for ``torch.distributed.init_process_group``)."""
+        return self._store
+
+    def scoped(self, namespace: str) -> "Rendezvous":
+        """A view of the same store under another key prefix (several jobs on one store)."""
+        other = Rendezvous(self.env, timeout=self.timeout, namespace=f"{self.namespace}/{namespace}")
+        other._store = self._store
+        other._owner = False
+        return other
 
     def _key(self, name: str) -> str:
         return f"{self.namespace}/{name}"
@@ -197,7 +210,7 @@ class Rendezvous:
     async def leave(self, linger: Optional[float] = None) -> None:
         """Say this rank is done with the store; the rank hosting it waits (bounded) for everyone
         else to say so too, since ending its process ends the store under their feet."""
-        if self._store is None:
+        if self._store is None or not self._owner:
             return
         try:
             await self.publish(f"left/{self.env.rank}", "1")

@@ -5,7 +5,9 @@ Everything that imports asyncio or socket lives here and above; ``wire`` stays s
 
 from .config import NetConfig, TLSConfig
 from .connection import Connection, ConnectionStats, Listener, connect, listen
+from .endpoint import Endpoint
 from .handshake import PROTOCOL_VERSION, Role
+from .local import LocalLink
 from .loop import LOOP, new_event_loop, run
 from .shaper import Shaper, ShaperConfig, TokenBucket
 
@@ -13,6 +15,8 @@ __all__ = [
     "LOOP",
     "PROTOCOL_VERSION",
     "Connection",
+    "Endpoint",
+    "LocalLink",
     "ConnectionStats",
     "Listener",
     "NetConfig",

@@ -29,7 +29,7 @@ import socket
 import sys
 from collections import deque
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterable, Optional
+from typing import Awaitable, Callable, Optional
 
 from ..errors import (
     ConnectionLost,
@@ -41,10 +41,11 @@ from ..errors import (
     RemoteProtocolError,
 )
 from ..wire import DType, Frame, FrameDecoder, Header, Kind, byte_view, encode_frame, encode_header, frame_parts
+from .endpoint import Endpoint, silence
 from .config import NetConfig
 from .handshake import HANDSHAKE_MAX_PAYLOAD, PROTOCOL_VERSION, Handshake, Role
 from .loop import is_uvloop
-from .shaper import Shaper, TokenBucket
+from .shaper import Shaper
 
 log = logging.getLogger("poseidon_aio.net")
 
@@ -63,17 +64,9 @@ class ConnectionStats:
     frames_received: int = 0
     write_pauses: int = 0
     max_write_buffer: int = 0
-    max_inbox_bytes: int = 0
 
 
-def _silence(fut: asyncio.Future) -> None:
-    # Whoever holds the future sees the exception when awaiting it; nobody holding it is not a
-    # bug worth the loop's "exception was never retrieved" report.
-    if fut.done() and not fut.cancelled():
-        fut.exception()
-
-
-class Connection(asyncio.BufferedProtocol):
+class Connection(asyncio.BufferedProtocol, Endpoint):
     """One framed, authenticated connection to a peer process.
 
     Made by :func:`connect` and :func:`listen`, which return it once the handshake is complete.
@@ -95,27 +88,15 @@ class Connection(asyncio.BufferedProtocol):
         process_shaper: Optional[Shaper] = None,
         protocol: int = PROTOCOL_VERSION,
     ) -> None:
+        self._init_endpoint(asyncio.get_running_loop(), rank, config.inbox_high_water)
         self.role = role
-        self.rank = rank
         self.config = config
-        self.peer_rank: Optional[int] = None
         self.peer_address = "unknown address"
         self.stats = ConnectionStats()
-        self._loop = asyncio.get_running_loop()
-        self._decoder = FrameDecoder(max_payload=HANDSHAKE_MAX_PAYLOAD, allocate=self._allocate)
+        self._decoder = FrameDecoder(max_payload=HANDSHAKE_MAX_PAYLOAD, allocate=self._allocate_frame)
         self._handshake = Handshake(role, rank, config.token, protocol=protocol)
         self._transport: Optional[asyncio.Transport] = None
-        self._exc: Optional[BaseException] = None
         self._ready = self._loop.create_future()
-        self._closed = self._loop.create_future()
-        self._expected: dict = {}
-        self._handler: Optional[Callable[[Frame], None]] = None
-        self._handler_kinds: Optional[frozenset] = None
-        self._allocate_unclaimed: Optional[Callable[[Header], object]] = None
-        self._landing: Optional[tuple] = None  # (kind, key, clock) whose payload lands in its `into`
-        self._inbox: deque = deque()
-        self._inbox_bytes = 0
-        self._recv_waiter: Optional[asyncio.Future] = None
         self._write_paused = False
         self._write_waiters: list = []
         self._seq = itertools.count()
@@ -143,21 +124,9 @@ class Connection(asyncio.BufferedProtocol):
     def is_open(self) -> bool:
         return self._exc is None and self._transport is not None
 
-    @property
-    def error(self) -> Optional[BaseException]:
-        """Why the connection ended, or ``None`` while it is open."""
-        return self._exc
-
     async def wait_ready(self) -> "Connection":
         """Wait for the handshake (bounded by ``config.handshake_timeout``)."""
         return await asyncio.shield(self._ready)
-
-    async def wait_closed(self) -> None:
-        await asyncio.shield(self._closed)
-
-    def on_close(self, callback: Callable[["Connection"], None]) -> None:
-        """Call ``callback(conn)`` on the loop once the connection is gone (``error`` says why)."""
-        self._closed.add_done_callback(lambda _: callback(self))
 
     async def send(
         self,
@@ -199,106 +168,6 @@ class Connection(asyncio.BufferedProtocol):
         if self._write_paused or self._write_waiters:
             await self._wait_write_turn(priority)
         self._write(parts, nbytes)
-
-    def expect(self, kind: Kind, key: int, clock: int, into=None) -> asyncio.Future:
-        """Claim the next frame ``(kind, key, clock)``; return a future of it.
-
-        Args:
-            into: optional writable buffer of exactly the payload's size: the payload is received
-                straight into it (zero copy), and the frame's ``payload`` is a view of it.
-        Raises:
-            LocalProtocolError: that frame is already expected.
-
-        Register before the peer can send the frame (e.g. before pushing the gradient whose
-        aggregate it is); a frame that arrives unclaimed goes to the handler or the inbox.
-        """
-        ident = (Kind(kind), int(key), int(clock))
-        fut = self._loop.create_future()
-        if self._exc is not None:
-            fut.set_exception(self._lost())
-            _silence(fut)
-            return fut
-        if ident in self._expected:
-            raise LocalProtocolError(
-                f"frame {ident[0].name} key {key} clock {clock} from {self.where} is already expected"
-            )
-        early = self._claim_from_inbox(ident)
-        if early is not None:
-            fut.set_result(early if into is None else _moved_into(early, into))
-            return fut
-        self._expected[ident] = (fut, into)
-        fut.add_done_callback(lambda f: self._forget(ident, f))
-        return fut
-
-    def _claim_from_inbox(self, ident: tuple) -> Optional[Frame]:
-        # The peer may be a step ahead: its frame arrived before this side asked for it.
-        for i, frame in enumerate(self._inbox):
-            if (frame.kind, frame.key, frame.clock) == ident:
-                if i == 0:
-                    return self._pop_inbox()
-                del self._inbox[i]
-                self._inbox_bytes -= frame.header.length
-                return frame
-        return None
-
-    def _forget(self, ident: tuple, fut: asyncio.Future) -> None:
-        # A cancelled expectation must not swallow the frame (or write into a buffer) later.
-        entry = self._expected.get(ident)
-        if entry is not None and entry[0] is fut:
-            del self._expected[ident]
-
-    def set_handler(
-        self,
-        handler: Optional[Callable[[Frame], None]],
-        allocate: Optional[Callable[[Header], object]] = None,
-        kinds: Optional[Iterable[Kind]] = None,
-    ) -> None:
-        """Deliver unclaimed frames to ``handler(frame)`` on the loop instead of the inbox.
-
-        Args:
-            handler: called with each frame no :meth:`expect` claimed. It must not block; an
-                exception from it closes the connection with that error. Matching frames already
-                in the inbox are handed over first.
-            allocate: called with the header of each unclaimed frame as soon as it is decoded;
-                returns the buffer its payload is received into (zero copy), or ``None``. A
-                parameter-server shard uses it to land pushes in per-key receive slots.
-            kinds: only frames of these kinds go to the handler; the others stay in the inbox,
-                where a later :meth:`expect` claims them (a reply that beat its request).
-        """
-        self._handler = handler
-        self._handler_kinds = frozenset(kinds) if kinds is not None else None
-        self._allocate_unclaimed = allocate
-        if handler is None:
-            return
-        for frame in [f for f in self._inbox if self._handles(f)]:
-            self._inbox.remove(frame)
-            self._inbox_bytes -= frame.header.length
-            handler(frame)
-
-    def _handles(self, frame: Frame) -> bool:
-        return self._handler is not None and (self._handler_kinds is None or frame.kind in self._handler_kinds)
-
-    async def recv(self, timeout: Optional[float] = None) -> Frame:
-        """Next unclaimed frame.
-
-        Raises:
-            PeerTimeout: nothing arrived within ``timeout`` seconds.
-            ConnectionLost: the connection ended (the cause is chained).
-        """
-        if self._inbox:
-            return self._pop_inbox()
-        self._raise_if_closed()
-        if self._recv_waiter is not None:
-            raise LocalProtocolError("another coroutine is already waiting in recv() on this connection")
-        self._recv_waiter = self._loop.create_future()
-        try:
-            async with asyncio.timeout(timeout):
-                await self._recv_waiter
-        except TimeoutError:
-            raise PeerTimeout(f"no frame from {self.where} within {timeout} s") from None
-        finally:
-            self._recv_waiter = None
-        return self._pop_inbox()
 
     async def close(self) -> None:
         """Say GOODBYE, flush what is queued and close (bounded by ``config.close_timeout``).
@@ -386,19 +255,8 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- receive side -----------------------------------------------------------------------
 
-    def _allocate(self, header: Header):
-        ident = (header.kind, header.key, header.clock)
-        entry = self._expected.get(ident)
-        self._landing = None
-        if entry is not None:
-            into = entry[1]
-            if into is None or memoryview(into).nbytes != header.length:
-                return None  # a wrong-sized `into` fails that future alone, in _on_frame
-            self._landing = ident
-            return into
-        if self._allocate_unclaimed is not None and self._handshake.ready:
-            return self._allocate_unclaimed(header)
-        return None
+    def _allocate_frame(self, header: Header):
+        return self._allocate(header) if self._handshake.ready else None
 
     def _on_frame(self, frame: Frame) -> None:
         if not self._handshake.ready:
@@ -419,38 +277,7 @@ class Connection(asyncio.BufferedProtocol):
                 RemoteProtocolError(f"{self.where} sent {kind.name} after the handshake"), "error"
             )
             return
-        ident = (kind, frame.key, frame.clock)
-        entry = self._expected.pop(ident, None)
-        if entry is not None:
-            fut, into = entry
-            landed, self._landing = self._landing == ident, None
-            if fut.done():
-                return
-            if into is not None and not landed:
-                # expect() came after this frame's header, or `into` has the wrong size.
-                try:
-                    frame = _moved_into(frame, into)
-                except LocalProtocolError as exc:
-                    fut.set_exception(exc)
-                    return
-            fut.set_result(frame)
-            return
-        if self._handles(frame):
-            try:
-                self._handler(frame)
-            except RemoteProtocolError as exc:  # the peer broke the protocol: tell it why
-                self._fail(exc, "error")
-            except Exception as exc:  # noqa: BLE001 - a handler bug ends this connection, visibly
-                self._fail(exc, "abort")
-            return
-        self._inbox.append(frame)
-        self._inbox_bytes += frame.header.length
-        self.stats.max_inbox_bytes = max(self.stats.max_inbox_bytes, self._inbox_bytes)
-        if self._inbox_bytes > self.config.inbox_high_water:
-            self._pause_reading("inbox")
-        waiter = self._recv_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._dispatch(frame)
 
     def _on_handshake_frame(self, frame: Frame) -> None:
         try:
@@ -479,13 +306,11 @@ class Connection(asyncio.BufferedProtocol):
                 "abort",
             )
 
-    def _pop_inbox(self) -> Frame:
-        self._take_inbox()
-        return self._inbox.popleft()
+    def _on_inbox_full(self) -> None:
+        self._pause_reading("inbox")
 
-    def _take_inbox(self) -> None:
-        self._inbox_bytes -= self._inbox[0].header.length
-        if "inbox" in self._read_pauses and self._inbox_bytes <= self.config.inbox_high_water // 2:
+    def _on_inbox_drained(self) -> None:
+        if "inbox" in self._read_pauses:
             self._resume_reading("inbox")
 
     def _pause_reading(self, why: str) -> None:
@@ -574,15 +399,6 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- failure ----------------------------------------------------------------------------
 
-    def _lost(self) -> ConnectionLost:
-        exc = self._exc
-        if isinstance(exc, ConnectionLost):
-            err = ConnectionLost(str(exc))
-        else:
-            err = ConnectionLost(f"connection to {self.where} ended: {exc}")
-        err.__cause__ = exc
-        return err
-
     def _raise_if_closed(self) -> None:
         if self._exc is not None:
             raise self._lost()
@@ -607,20 +423,13 @@ class Connection(asyncio.BufferedProtocol):
                 timer.cancel()
         if not self._ready.done():
             self._ready.set_exception(exc)
-            _silence(self._ready)
+            silence(self._ready)
+        self._fail_waiters()
         lost = self._lost()
-        for fut, _ in list(self._expected.values()):
-            if not fut.done():
-                fut.set_exception(lost)
-                _silence(fut)
-        self._expected.clear()
-        if self._recv_waiter is not None and not self._recv_waiter.done():
-            self._recv_waiter.set_exception(lost)
-            _silence(self._recv_waiter)
         for _, _, fut in self._write_waiters:
             if not fut.done():
                 fut.set_exception(lost)
-                _silence(fut)
+                silence(fut)
         self._write_waiters.clear()
         transport = self._transport
         if transport is None or how == "none":
@@ -632,17 +441,6 @@ class Connection(asyncio.BufferedProtocol):
             transport.abort()
         else:
             transport.close()
-
-
-def _moved_into(frame: Frame, into) -> Frame:
-    view = memoryview(into).cast("B") if not isinstance(into, memoryview) else into.cast("B")
-    if view.nbytes != frame.header.length or view.readonly:
-        raise LocalProtocolError(
-            f"destination for {frame.kind.name} key {frame.key} clock {frame.clock} must be a "
-            f"writable buffer of {frame.header.length} bytes, got {view.nbytes}"
-        )
-    view[:] = frame.payload
-    return Frame(frame.header, view)
 
 
 def _error_text(frame: Frame) -> str:

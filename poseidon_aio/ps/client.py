@@ -12,13 +12,12 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from ..cluster.book import InformationBook, Message
 from ..errors import ConnectionLost, LocalProtocolError, PoseidonError, RemoteProtocolError, SyncTimeout
-from ..net.connection import Connection
 from ..wire import Frame, Kind
 from .config import PSConfig
 from .shard import WIRE_DTYPE

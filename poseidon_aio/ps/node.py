@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 from ..cluster.book import InformationBook
 from ..cluster.manifest import Manifest
 from ..cluster.rendezvous import ClusterEnv, Rendezvous, advertise_host
-from ..net import NetConfig, connect, listen
+from ..net import LocalLink, NetConfig, connect, listen
 from . import checkpoint
 from .client import PSClient
 from .config import PSConfig
@@ -54,6 +54,7 @@ class PSNode:
         net: Optional[NetConfig] = None,
         groups: Optional[Sequence[Sequence[str]]] = None,
         start_clock: int = 0,
+        rendezvous: Optional[Rendezvous] = None,
     ) -> "PSNode":
         """Join the job and return a ready node.
 
@@ -66,16 +67,21 @@ class PSNode:
                 not against someone who can reach the store: pass ``net`` with your own token then.
             groups: merge groups for the information book (MG-WFBP).
             start_clock: the clock to start at, when no shard checkpoint says otherwise.
+            rendezvous: an already started :class:`Rendezvous` (e.g. a ``scoped`` view, to run
+                several nodes over one store); by default the node opens its own.
         Raises:
             ConfigError, ManifestMismatch, PeerTimeout, CheckpointError: start-up failed.
         """
         self = cls()
         config = config or PSConfig()
         self.config = config
-        self.env = env or ClusterEnv.from_env()
+        if rendezvous is not None:
+            self.env, self._rdzv = rendezvous.env, rendezvous
+        else:
+            self.env = env or ClusterEnv.from_env()
+            self._rdzv = Rendezvous(self.env, timeout=config.rendezvous_timeout)
+            await self._rdzv.start()
         self.rank = self.env.rank
-        self._rdzv = Rendezvous(self.env, timeout=config.rendezvous_timeout)
-        await self._rdzv.start()
         try:
             await self._join(manifest, net, groups, start_clock)
         except BaseException:
@@ -116,7 +122,12 @@ class PSNode:
             self._listener = await listen(host, 0, rank=env.rank, config=net, on_connection=self.shard.attach)
             await rdzv.publish(f"addr/shard/{env.rank}", f"{host}:{self._listener.address[1]}")
         conns = {}
+        if hosting:  # our own shard: an in-process link, no socket
+            conns[env.rank], shard_end = LocalLink.pair(env.rank, env.rank)
+            self.shard.attach(shard_end)
         for s in range(shards):
+            if s in conns:
+                continue
             where = await rdzv.read(f"addr/shard/{s}", who=f"rank {s} (shard {s})")
             h, p = where.rsplit(":", 1)
             conns[s] = await connect(h, int(p), rank=env.rank, config=net)

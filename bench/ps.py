@@ -1,0 +1,160 @@
+"""``python -m bench ps``: parameter-server aggregation against gloo ``all_reduce``, same processes.
+
+Four worker processes (``--workers``) meet at one TCPStore. gloo's process group and our PS nodes
+(one co-located shard per worker) share it. For each case both aggregate the same float32 tensors,
+interleaved repeat by repeat after a barrier, after ``--warmup`` untimed rounds; a repeat's time is
+the slowest rank's, the figure the median over repeats. gloo computes the sum (then divides, to give the mean our shards return).
+
+Cases: one 64 MiB tensor; VGG19's 38 parameter tensors (143.7 M floats, 575 MB per worker); a
+chunk-size sweep (256 KiB to 16 MiB) on the 64 MiB tensor. Then the shard-load table for VGG19:
+our ~2 MiB key-value pairs against one tensor per shard (stock TensorFlow's placement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+
+MiB = 1 << 20
+
+
+def _cases(args) -> list:
+    from poseidon_aio.cluster.models import vgg19
+
+    cases = [("64MiB", [(16 * MiB,)], 2 * MiB)]
+    if not args.skip_vgg19:
+        cases.append(("vgg19", [s.shape for s in vgg19()], 2 * MiB))
+    for kib in args.sweep:
+        cases.append((f"64MiB@{kib}KiB", [(16 * MiB,)], kib * 1024))
+    return cases
+
+
+def _worker(rank: int, world: int, port: int, cases: list, warmup: int, repeats: int, out) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    from poseidon_aio.cluster import ClusterEnv, Manifest, ParamSpec, Rendezvous
+    from poseidon_aio.net import run
+    from poseidon_aio.ps import PSConfig, PSNode
+
+    torch.set_num_threads(1)
+
+    async def main():
+        rdzv = Rendezvous(ClusterEnv.from_env(), timeout=300)
+        await rdzv.start()
+        dist.init_process_group("gloo", store=dist.PrefixStore("gloo", rdzv.store), rank=rank, world_size=world)
+        results = {}
+        for n, (name, shapes, chunk) in enumerate(cases):
+            manifest = Manifest(ParamSpec(f"t{i}", s) for i, s in enumerate(shapes))
+            grads = [np.random.default_rng([rank, i]).standard_normal(s, dtype=np.float32) for i, s in enumerate(shapes)]
+            outs = [np.empty_like(g) for g in grads]
+            gloo_bufs = [torch.empty(s) for s in shapes]
+            node = await PSNode.start(manifest, PSConfig(chunk_bytes=chunk, sync_timeout=600), rendezvous=rdzv.scoped(f"case{n}"))
+            times = {"gloo": [], "ours": []}
+            for clock in range(warmup + repeats):
+                for b, g in zip(gloo_bufs, grads):
+                    b.copy_(torch.from_numpy(g))
+                await asyncio.to_thread(dist.barrier)
+                started = time.perf_counter()
+                await asyncio.to_thread(_gloo_mean, dist, gloo_bufs, world)
+                times["gloo"].append(time.perf_counter() - started)
+                await asyncio.to_thread(dist.barrier)
+                started = time.perf_counter()
+                await asyncio.gather(*(node.client.push([i], [g], [o], clock) for i, (g, o) in enumerate(zip(grads, outs))))
+                times["ours"].append(time.perf_counter() - started)
+            times = {k: v[warmup:] for k, v in times.items()}
+            for o, b in zip(outs, gloo_bufs):
+                np.testing.assert_allclose(o, b.numpy(), rtol=1e-4, atol=1e-5)
+            await node.close()
+            results[f"{n}:{name}"] = times
+            del grads, outs, gloo_bufs
+        dist.destroy_process_group()
+        await rdzv.leave()
+        return results
+
+    out.put((rank, run(main())))
+
+
+def _gloo_mean(dist, tensors, world: int) -> None:
+    works = [dist.all_reduce(t, async_op=True) for t in tensors]
+    for w, t in zip(works, tensors):
+        w.wait()
+        t.div_(world)
+
+
+def shard_load_table(shards: int) -> tuple:
+    from poseidon_aio.cluster import InformationBook
+    from poseidon_aio.cluster.models import vgg19
+
+    balanced = InformationBook(vgg19(), workers=shards, shards=shards)
+    tensor = InformationBook(vgg19(), workers=shards, shards=shards, placement="tensor")
+    rows = [
+        f"VGG19 over {shards} shards, MB per shard (max ÷ mean in the last column):",
+        "",
+        "| placement | " + " | ".join(f"shard {s}" for s in range(shards)) + " | max/mean |",
+        "|---|" + "---|" * (shards + 1),
+    ]
+    for label, book in (("~2 MiB key-value pairs, LPT (ours)", balanced), ("one tensor per shard (stock TF)", tensor)):
+        load = book.shard_bytes()
+        rows.append(f"| {label} | " + " | ".join(f"{b / 1e6:.0f}" for b in load) + f" | {book.max_over_mean():.3f} |")
+    return "\n".join(rows), balanced.max_over_mean(), tensor.max_over_mean()
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m bench ps", description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (TCP buffers, page faults)")
+    parser.add_argument("--sweep", type=lambda s: [int(x) for x in s.split(",") if x], default=[256, 512, 1024, 2048, 4096, 8192, 16384], help="chunk sizes in KiB")
+    parser.add_argument("--skip-vgg19", action="store_true")
+    args = parser.parse_args(argv)
+    from tests.cluster import free_port  # noqa: F401 - same helper the tests use
+
+    cases = _cases(args)
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, args.workers, port, cases, args.warmup, args.repeats, out)) for r in range(args.workers)]
+    for p in procs:
+        p.start()
+    per_rank = dict(out.get(timeout=3600) for _ in procs)
+    for p in procs:
+        p.join(60)
+    summary, lines = {}, [
+        f"Aggregation across {args.workers} processes, seconds (median over {args.repeats} of the slowest rank)",
+        "",
+        "| case | gloo all_reduce | ours (PS) | ours ÷ gloo |",
+        "|---|---|---|---|",
+    ]
+    for n, (name, _, _) in enumerate(cases):
+        med = {}
+        for impl in ("gloo", "ours"):
+            per_repeat = [max(per_rank[r][f"{n}:{name}"][impl][i] for r in per_rank) for i in range(args.repeats)]
+            med[impl] = statistics.median(per_repeat)
+        ratio = med["ours"] / med["gloo"]
+        summary[f"ratio_vs_gloo_{name.replace('@', '_')}"] = round(ratio, 3)
+        lines.append(f"| {name} | {med['gloo']:.3f} | {med['ours']:.3f} | {ratio:.2f} |")
+    table8, mm8, tf8 = shard_load_table(8)
+    print("\n".join(lines))
+    print()
+    print(table8)
+    result = {
+        "bench": "ps",
+        "ratio_vs_gloo_64MiB": summary["ratio_vs_gloo_64MiB"],
+        "max_over_mean_shard_bytes_vgg19_8shards": round(mm8, 4),
+        "max_over_mean_one_tensor_per_shard_vgg19_8shards": round(tf8, 3),
+        "workers": args.workers,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        **summary,
+    }
+    print(json.dumps(result))
+    return result
