@@ -155,3 +155,12 @@ def stalled_worker(rank: int, shapes, config: PSConfig, pause: float):
             await node.client.push(list(range(len(shapes))), g, [np.empty_like(x) for x in g], 0)
 
     return run(main())
+
+
+def shard_process(rank: int, index_base: int, workers: int):
+    """A standalone shard: ``rank`` here is its position among the shard processes."""
+    import os
+
+    from poseidon_aio.ps.server import serve_shard
+
+    return run(serve_shard(rank + index_base, master_addr="127.0.0.1", master_port=int(os.environ["MASTER_PORT"]), workers=workers, timeout=60))

@@ -133,3 +133,24 @@ def test_a_stalled_sync_times_out_with_the_shards_report():
     errors = collect(procs, out, timeout=60, expect_errors=True)
     kind, message, _ = errors[0]
     assert kind == "SyncTimeout" and "p0" in message and "waiting for ranks [1]" in message
+
+
+def test_standalone_shard_processes_serve_the_workers():
+    from .cluster import free_port
+    from .psworkers import shard_process
+
+    port = free_port()
+    config = PSConfig(shards=2, standalone_shards=True, chunk_bytes=64 * 1024)
+    workers, wout = start_workers(3, aggregate_worker, SHAPES, 2, config, 3, port=port)
+    shards, sout = start_workers(2, shard_process, 0, 3, port=port, env={"RANK": "0", "WORLD_SIZE": "3"})
+    res = collect(workers, wout, timeout=90)
+    stats = collect(shards, sout, timeout=30)
+    for (clock, i), agg in res[0][0].items():
+        np.testing.assert_allclose(agg, _reference(3, clock, i), atol=1e-5)
+        assert all(agg.tobytes() == res[r][0][(clock, i)].tobytes() for r in (1, 2))
+    from poseidon_aio.cluster import InformationBook
+
+    from .psworkers import manifest_of
+
+    book = InformationBook(manifest_of(SHAPES), workers=3, shards=2, chunk_bytes=64 * 1024)
+    assert sum(s["finalized"] for s in stats.values()) == 2 * len(book.messages)  # 2 clocks, every message

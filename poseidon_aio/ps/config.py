@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from ..cluster.book import DEFAULT_CHUNK_BYTES
@@ -82,6 +83,8 @@ class PSConfig:
         sync_timeout: seconds a worker waits for any one aggregate before :class:`SyncTimeout`.
         rendezvous_timeout: seconds for every rank to show up at start-up.
         placement: ``"balanced"`` or ``"tensor"`` (see :class:`InformationBook`).
+        standalone_shards: the ``shards`` shards run in their own processes
+            (``poseidon-aio shard --index S``) instead of inside workers.
     """
 
     shards: Optional[int] = None
@@ -94,6 +97,7 @@ class PSConfig:
     sync_timeout: float = 120.0
     rendezvous_timeout: float = 60.0
     placement: str = "balanced"
+    standalone_shards: bool = False
 
     def __post_init__(self) -> None:
         if self.shards is not None and self.shards < 1:
@@ -109,6 +113,21 @@ class PSConfig:
 
     def shards_for(self, workers: int) -> int:
         shards = self.shards or workers
+        if self.standalone_shards:
+            if self.shards is None:
+                raise ConfigError("PSConfig.standalone_shards needs shards= (how many shard processes run)")
+            return shards
         if shards > workers:
             raise ConfigError(f"PSConfig.shards={shards} but only {workers} workers host shards")
         return shards
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "PSConfig":
+        raw = json.loads(text)
+        raw["stragglers"] = StragglerPolicy(**raw["stragglers"])
+        if raw.get("server_sgd") is not None:
+            raw["server_sgd"] = ServerSGD(**raw["server_sgd"])
+        return cls(**raw)

@@ -13,6 +13,7 @@ reaches a shard before every worker can receive its reply.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from typing import Optional, Sequence
@@ -27,6 +28,39 @@ from .config import PSConfig
 from .shard import KVShard
 
 log = logging.getLogger("poseidon_aio.ps")
+
+
+async def _agree_on_start(rdzv: Rendezvous, config: PSConfig, book: InformationBook, index, start_clock: int):
+    """The start clock every rank uses, and the checkpointed state of shard ``index``.
+
+    With server-side SGD and a checkpoint directory, each shard's host publishes the clocks it has
+    complete checkpoints for; the job resumes from the newest clock every shard has. Returns
+    ``(clock, state)`` where ``state`` is the shard's arrays, ``None`` (resumed, no shard here)
+    or ``False`` (fresh start).
+    """
+    state = False
+    if config.server_sgd is not None and config.checkpoint_dir:
+        if index is not None:
+            mine = checkpoint.complete_clocks(config.checkpoint_dir, index, book.digest())
+            await rdzv.publish(f"ckpt/shard/{index}", ",".join(map(str, mine)))
+        by_shard = {}
+        for s in range(book.shards):
+            text = await rdzv.read(f"ckpt/shard/{s}", who=f"the host of shard {s}")
+            by_shard[s] = [int(c) for c in text.split(",") if c]
+        resume = checkpoint.newest_common(by_shard)
+        if resume is not None:
+            start_clock = resume
+            state = checkpoint.read(config.checkpoint_dir, index, resume, book.digest()) if index is not None else None
+            log.info("rank %d: resuming from the checkpoint at clock %d", rdzv.env.rank, resume)
+    return start_clock, state
+
+
+async def _host_shard(rdzv, index, rank, book, config, net, start_clock, state):
+    host = advertise_host(rdzv.env.master_addr)
+    shard = KVShard(index, book, config, start_clock=start_clock, state=state or None)
+    listener = await listen(host, 0, rank=rank, config=net, on_connection=shard.attach)
+    await rdzv.publish(f"addr/shard/{index}", f"{host}:{listener.address[1]}")
+    return shard, listener
 
 
 class PSNode:
@@ -91,9 +125,12 @@ class PSNode:
 
     async def _join(self, manifest, net, groups, start_clock) -> None:
         rdzv, env, config = self._rdzv, self.env, self.config
-        if net is None:
-            if env.rank == 0:
+        if env.rank == 0:
+            setup = {"config": config.to_json(), "groups": [list(g) for g in groups or ()]}
+            await rdzv.publish("ps-setup", json.dumps(setup))
+            if net is None:
                 await rdzv.publish("token", os.urandom(32).hex())
+        if net is None:
             net = NetConfig(token=bytes.fromhex(await rdzv.read("token", who="rank 0")))
         await rdzv.check_manifest(manifest)
         workers = env.world_size
@@ -102,35 +139,21 @@ class PSNode:
             manifest, workers=workers, shards=shards, chunk_bytes=config.chunk_bytes, groups=groups, placement=config.placement
         )
         await rdzv.check_digest("information book", self.book.digest())
-        hosting = env.rank < shards
-        state = None
-        if config.server_sgd is not None and config.checkpoint_dir:
-            mine = checkpoint.complete_clocks(config.checkpoint_dir, env.rank, self.book.digest()) if hosting else []
-            seen = await rdzv.exchange("checkpoints", ",".join(map(str, mine)), range(env.world_size))
-            by_shard = {r: [int(c) for c in seen[r].split(",") if c] for r in range(shards)}
-            resume = checkpoint.newest_common(by_shard)
-            if resume is not None:
-                start_clock, self.resumed = resume, True
-                if hosting:
-                    state = checkpoint.read(config.checkpoint_dir, env.rank, resume, self.book.digest())
-                log.info("rank %d: resuming from the checkpoint at clock %d", env.rank, resume)
+        index = None if config.standalone_shards or env.rank >= shards else env.rank
+        start_clock, state = await _agree_on_start(rdzv, config, self.book, index, start_clock)
         await rdzv.check_digest("start clock", str(start_clock))
+        self.resumed = state is not False
         self.start_clock = start_clock
-        host = advertise_host(env.master_addr)
-        if hosting:
-            self.shard = KVShard(env.rank, self.book, config, start_clock=start_clock, state=state)
-            self._listener = await listen(host, 0, rank=env.rank, config=net, on_connection=self.shard.attach)
-            await rdzv.publish(f"addr/shard/{env.rank}", f"{host}:{self._listener.address[1]}")
+        if index is not None:
+            self.shard, self._listener = await _host_shard(rdzv, index, env.rank, self.book, config, net, start_clock, state)
         conns = {}
-        if hosting:  # our own shard: an in-process link, no socket
-            conns[env.rank], shard_end = LocalLink.pair(env.rank, env.rank)
+        if self.shard is not None:  # our own shard: an in-process link, no socket
+            conns[index], shard_end = LocalLink.pair(env.rank, env.rank)
             self.shard.attach(shard_end)
         for s in range(shards):
-            if s in conns:
-                continue
-            where = await rdzv.read(f"addr/shard/{s}", who=f"rank {s} (shard {s})")
-            h, p = where.rsplit(":", 1)
-            conns[s] = await connect(h, int(p), rank=env.rank, config=net)
+            if s not in conns:
+                h, p = (await rdzv.read(f"addr/shard/{s}", who=f"the host of shard {s}")).rsplit(":", 1)
+                conns[s] = await connect(h, int(p), rank=env.rank, config=net)
         self.client = PSClient(env.rank, self.book, config, conns, start_clock=start_clock)
         await rdzv.barrier("ps-ready")
 

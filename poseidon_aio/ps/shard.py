@@ -130,6 +130,8 @@ class KVShard:
         self._dtype = {m.id: np.dtype(m.dtype) for m in self._messages.values()}
         self._numel = {m.id: m.nbytes // self._dtype[m.id].itemsize for m in self._messages.values()}
         self._conns: dict = {}
+        self._ever: set = set()
+        self._all_left = asyncio.Event()
         self._departed: dict = {}
         self._outbox: dict = {}
         self._pending: dict = {}
@@ -166,6 +168,7 @@ class KVShard:
             conn.fail(RemoteProtocolError(f"rank {rank} is already connected to shard {self.index}"))
             return
         self._conns[rank] = conn
+        self._ever.add(rank)
         conn.set_handler(lambda f: self._on_frame(conn, f), allocate=lambda h: self._allocate(conn, h))
         conn.on_close(self._on_lost)
         for frames in self._outbox.pop(rank, []):
@@ -175,6 +178,8 @@ class KVShard:
         rank = conn.peer_rank
         if self._conns.get(rank) is conn:
             del self._conns[rank]
+        if len(self._ever) == self.workers and not self._conns:
+            self._all_left.set()
         if self._closed or self.config.stragglers.enabled:
             return
         self._departed[rank] = (
@@ -190,6 +195,19 @@ class KVShard:
         for r in to:
             if r != rank:
                 self._send(r, [self._notice("failed", reason=reason, rank=rank)])
+
+    @property
+    def joined(self) -> set:
+        """Worker ranks that have connected at least once."""
+        return set(self._ever)
+
+    async def wait_all_joined(self) -> None:
+        while len(self._ever) < self.workers:
+            await asyncio.sleep(0.05)
+
+    async def wait_all_left(self) -> None:
+        """Return once every worker has connected and every connection has ended."""
+        await self._all_left.wait()
 
     async def close(self) -> None:
         self._closed = True

@@ -1,0 +1,76 @@
+"""A standalone shard process: ``poseidon-aio shard --index S`` (or :func:`serve_shard`).
+
+It meets the workers at the same TCPStore (``MASTER_ADDR``/``MASTER_PORT``), takes the job's
+settings, manifest and token from what rank 0 published there, checks that it computes the same
+information book, hosts shard ``S`` and ends when every worker has connected and left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from ..cluster.book import InformationBook
+from ..cluster.manifest import Manifest, ManifestMismatch
+from ..cluster.rendezvous import ClusterEnv, Rendezvous
+from ..errors import ConfigError, PeerTimeout
+from ..net import NetConfig
+from .config import PSConfig
+from .node import _agree_on_start, _host_shard
+
+log = logging.getLogger("poseidon_aio.ps")
+
+
+async def serve_shard(index: int, *, master_addr: str, master_port: int, workers: int, timeout: float = 300.0) -> dict:
+    """Host shard ``index`` of the job whose workers meet at ``master_addr:master_port``.
+
+    Args:
+        workers: P1, the number of worker processes (their ``WORLD_SIZE``).
+        timeout: seconds to wait for the workers to show up.
+    Returns:
+        The shard's statistics (finalized keys, drops, late pushes) when the job ends.
+    Raises:
+        ConfigError: the index is outside the job's shards, or the job does not use standalone shards.
+        ManifestMismatch: this process computes another information book than the workers.
+        PeerTimeout: the workers did not come.
+    """
+    # A shard is not a worker: it takes a rank past the workers' for its connections' names.
+    env = ClusterEnv(rank=workers + index, world_size=workers, local_rank=0, master_addr=master_addr, master_port=master_port)
+    rdzv = Rendezvous(env, timeout=timeout)
+    await rdzv.start()
+    setup = json.loads(await rdzv.read("ps-setup", who="rank 0"))
+    config = PSConfig.from_json(setup["config"])
+    if not config.standalone_shards or not 0 <= index < (config.shards or 0):
+        raise ConfigError(
+            f"shard process {index}: the job runs {config.shards} shards "
+            f"{'in their own processes' if config.standalone_shards else 'inside its workers'}"
+        )
+    net = NetConfig(token=bytes.fromhex(await rdzv.read("token", who="rank 0")))
+    manifest = Manifest.from_json(await rdzv.read("manifest/0", who="rank 0"))
+    book = InformationBook(
+        manifest, workers=workers, shards=config.shards, chunk_bytes=config.chunk_bytes,
+        groups=setup["groups"] or None, placement=config.placement,
+    )
+    theirs = await rdzv.read("digest/information book/0", who="rank 0")
+    if theirs != book.digest():
+        raise ManifestMismatch(f"shard process {index} computes another information book than rank 0: same poseidon_aio release?")
+    _, state = await _agree_on_start(rdzv, config, book, index, 0)
+    start_clock = int(await rdzv.read("digest/start clock/0", who="rank 0"))
+    shard, listener = await _host_shard(rdzv, index, env.rank, book, config, net, start_clock, state)
+    log.info("shard %d serving %d messages for %d workers on %s", index, len(book.messages_of_shard(index)), workers, listener.address)
+    try:
+        try:
+            await asyncio.wait_for(shard.wait_all_joined(), timeout)
+        except TimeoutError:
+            missing = sorted(set(range(workers)) - shard.joined)
+            raise PeerTimeout(f"shard process {index}: workers {missing} did not connect within {timeout} s") from None
+        # Then as long as the job runs; dead workers' connections end by the idle timeout.
+        await shard.wait_all_left()
+    finally:
+        await listener.close()
+        await shard.close()
+    return {"finalized": shard.stats.finalized, "dropped": shard.stats.dropped, "late_discarded": shard.stats.late_discarded}
+
+
+__all__ = ["serve_shard", "PeerTimeout"]
