@@ -9,9 +9,10 @@ $(STAMP): pyproject.toml setup.py _ext/codec.pyx scripts/setup.sh
 	scripts/setup.sh $(VENV)
 	touch $(STAMP)
 
-# The main job: a local multi-worker run of real processes.
+# The main job: 4 local workers (torchrun underneath) train a CNN on scikit-learn's digits, beside
+# a single-process run of the same global batches.
 main: $(STAMP)
-	$(PY) examples/exchange.py --workers 4
+	$(VENV)/bin/poseidon-aio run -n 4 examples/digits.py
 
 # The whole suite on uvloop and asyncio's loop, in asyncio debug mode, with the compiled codec;
 # then the wire and transport tests again with the pure-Python codec.

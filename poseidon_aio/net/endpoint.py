@@ -42,8 +42,11 @@ class Endpoint:
     """One end of a link to a peer, as the layers above see it.
 
     Subclasses provide ``send``, ``close``, ``where`` and ``is_open``, call :meth:`_dispatch` for
-    each data frame that arrives, and :meth:`_end` once when the link ends.
+    each data frame that arrives, and :meth:`_fail` once when the link ends.
     """
+
+    #: True for an in-process link: its bytes never cross a network.
+    is_local = False
 
     def _init_endpoint(self, loop: asyncio.AbstractEventLoop, rank: int, inbox_high_water: int) -> None:
         self.rank = rank

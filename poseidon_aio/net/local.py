@@ -26,6 +26,8 @@ class LocalLink(Endpoint):
     >>> # worker_end, shard_end = LocalLink.pair(rank, rank); shard.attach(shard_end)
     """
 
+    is_local = True
+
     def __init__(self, rank: int, peer_rank: int) -> None:
         self._init_endpoint(asyncio.get_running_loop(), rank, _INBOX_HIGH_WATER)
         self.peer_rank = peer_rank

@@ -31,13 +31,16 @@ class WorkerLeft(PoseidonError):
 
 @dataclass
 class PushResult:
-    """What one push cost and what the shards reported."""
+    """What one push cost and what the shards reported (payload bytes; ``remote_*`` excludes the
+    in-process link to a co-located shard)."""
 
     clock: int
     messages: int
     bytes_sent: int
     bytes_received: int
     dropped: list = field(default_factory=list)
+    remote_bytes_sent: int = 0
+    remote_bytes_received: int = 0
 
 
 class PSClient:
@@ -128,7 +131,7 @@ class PSClient:
     async def _push(self, messages, index, flat_g, flat_o, clock: int) -> PushResult:
         server = self.config.server_sgd is not None
         reply_kind, reply_clock = (Kind.PARAMS, clock + 1) if server else (Kind.AGGREGATE, clock)
-        waits, sends, scatter, sent, received = [], [], [], 0, 0
+        waits, sends, scatter, sent, received, remote = [], [], [], 0, 0, 0
         for m in messages:
             conn = self._conns[m.shard]
             parts, outs = self._slices(m, flat_g, index), self._slices(m, flat_o, index)
@@ -141,6 +144,8 @@ class PSClient:
             sends.append(conn.send(Kind.PUSH, parts, key=m.id, clock=clock, dtype=WIRE_DTYPE[m.dtype]))
             sent += m.nbytes
             received += m.nbytes
+            if not conn.is_local:
+                remote += m.nbytes
         try:
             await self._bounded(asyncio.gather(*sends), f"sending clock {clock}", messages, clock)
             await self._bounded(asyncio.gather(*(f for _, f in waits)), f"replies for clock {clock}", messages, clock)
@@ -154,12 +159,18 @@ class PSClient:
                 o[:] = into[offset : offset + o.size]
                 offset += o.size
         self._count(clock, len(messages))
-        return PushResult(clock, len(messages), sent, received, sorted(self.dropped.get(clock, ())))
+        return PushResult(clock, len(messages), sent, received, sorted(self.dropped.get(clock, ())), remote, remote)
 
     async def _bounded(self, aw, what: str, messages: Sequence[Message], clock: int):
         """Await ``aw`` against the sync timeout and a failure notice from any shard."""
         task = asyncio.ensure_future(aw)
-        done, _ = await asyncio.wait({task, self._failure}, timeout=self.config.sync_timeout, return_when=asyncio.FIRST_COMPLETED)
+        # If we are cancelled (a sibling sync failed), the inner task's fate must not go unread.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        try:
+            done, _ = await asyncio.wait({task, self._failure}, timeout=self.config.sync_timeout, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
         if task in done:
             return task.result()
         task.cancel()

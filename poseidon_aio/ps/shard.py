@@ -47,6 +47,8 @@ class ShardStats:
     dropped: dict = field(default_factory=dict)  # rank -> times dropped
     bytes_in: int = 0
     bytes_out: int = 0
+    remote_bytes_in: int = 0  # payload bytes that crossed a network (not the in-process link)
+    remote_bytes_out: int = 0
     checkpoints: list = field(default_factory=list)
 
 
@@ -250,7 +252,7 @@ class KVShard:
     def _on_frame(self, conn: Endpoint, frame: Frame) -> None:
         kind = frame.kind
         if kind is Kind.PUSH:
-            self._on_push(conn.peer_rank, frame)
+            self._on_push(conn.peer_rank, frame, conn.is_local)
         elif kind is Kind.PULL:
             self._on_pull(conn.peer_rank, frame)
         elif kind is Kind.PARAMS:
@@ -273,10 +275,12 @@ class KVShard:
             )
         return m
 
-    def _on_push(self, rank: int, frame: Frame) -> None:
+    def _on_push(self, rank: int, frame: Frame, local: bool = False) -> None:
         m = self._message(rank, frame)
         mid, clock = m.id, frame.clock
         self.stats.bytes_in += frame.header.length
+        if not local:
+            self.stats.remote_bytes_in += frame.header.length
         if clock <= self._finalized[mid]:
             self.stats.late_discarded += 1
             log.info("shard %d: discarded rank %d's late push of message %d at clock %d", self.index, rank, mid, clock)
@@ -471,7 +475,11 @@ class KVShard:
         async def deliver():
             for kind, payload, key, clock, dtype in frames:
                 await conn.send(kind, payload, key=key, clock=clock, dtype=dtype)
-                self.stats.bytes_out += len(payload) if isinstance(payload, bytes) else payload.nbytes
+                if kind is not Kind.CONTROL:
+                    nbytes = len(payload) if isinstance(payload, bytes) else payload.nbytes
+                    self.stats.bytes_out += nbytes
+                    if not conn.is_local:
+                        self.stats.remote_bytes_out += nbytes
 
         self._track(deliver())
 

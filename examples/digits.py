@@ -1,0 +1,146 @@
+"""Train a small CNN with a fully-connected head on scikit-learn's handwritten digits, data-parallel.
+
+    poseidon-aio run -n 4 examples/digits.py            # 4 local workers (torchrun underneath)
+
+Every epoch, one seeded permutation of the 1437 training images is cut into global batches of
+``--batch`` images; worker ``r`` of ``P`` trains on the ``r``-th slice of each. The convolutions
+sync through the parameter server; the FC layer whose sufficient factors are cheaper than its
+gradient goes by sufficient factor broadcasting. Rank 0 then trains the same model in one process on
+the same global batches for the same epochs, and prints both test accuracies (360 held-out images).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+import poseidon_aio
+
+
+def build_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 128),
+        nn.ReLU(),
+        nn.Linear(128, 10),
+    )
+
+
+def load(seed: int):
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.long)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    test, train = order[:360], order[360:]
+    return (x[train], y[train]), (x[test], y[test])
+
+
+def global_batches(n: int, batch: int, epoch: int, seed: int):
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+    for i in range(n // batch):
+        yield perm[i * batch : (i + 1) * batch]
+
+
+def accuracy(model: nn.Module, data) -> float:
+    model.eval()
+    with torch.no_grad():
+        return float((model(data[0]).argmax(1) == data[1]).float().mean()) * 100
+
+
+def make_optimizer(model: nn.Module):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1)
+
+
+def single_process(args, train, test) -> float:
+    model = build_model(args.seed)
+    opt, sched = make_optimizer(model)
+    sched.T_max = args.epochs
+    for epoch in range(args.epochs):
+        model.train()
+        for idx in global_batches(len(train[1]), args.batch, epoch, args.seed):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(train[0][idx]), train[1][idx]).backward()
+            opt.step()
+        sched.step()
+    return accuracy(model, test)
+
+
+async def distributed(args, train, test):
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.batch % world:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of the {world} workers")
+    local = args.batch // world
+    model = build_model(args.seed)
+    opt, sched = make_optimizer(model)
+    sched.T_max = args.epochs
+    steps = len(train[1]) // args.batch
+    bar = None
+    if rank == 0 and not args.quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps * args.epochs, desc=f"{world} workers, {args.mode}", unit="step", file=sys.stdout, mininterval=1.0)
+    started, stalled, moved, schemes = time.perf_counter(), 0.0, {}, {}
+    async with poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, mode=args.mode) as trainer:
+        for epoch in range(args.epochs):
+            losses = []
+            for idx in global_batches(len(train[1]), args.batch, epoch, args.seed):
+                mine = idx[rank * local : (rank + 1) * local]
+                stats = await trainer.step((train[0][mine], train[1][mine]))
+                losses.append(stats.loss)
+                stalled += stats.stall_s
+                schemes = stats.schemes
+                for k, v in stats.bytes.items():
+                    moved[k] = moved.get(k, 0) + v
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(epoch=epoch + 1, loss=f"{np.mean(losses):.3f}")
+            sched.step()
+    if bar is not None:
+        bar.close()
+    return model, time.perf_counter() - started, stalled, moved, schemes
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=64, help="global batch (split over the workers)")
+    parser.add_argument("--mode", default="poseidon", choices=["naive", "wfbp", "poseidon"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if "RANK" not in os.environ:
+        raise SystemExit("start with: poseidon-aio run -n 4 examples/digits.py (it sets RANK, WORLD_SIZE, ...)")
+    train, test = load(args.seed)
+    model, elapsed, stalled, moved, schemes = poseidon_aio.run(distributed(args, train, test))
+    if int(os.environ["RANK"]) != 0:
+        return 0
+    ours = accuracy(model, test)
+    world = int(os.environ["WORLD_SIZE"])
+    print(f"layer schemes: {schemes}")
+    print(f"{world} workers: {elapsed:.1f} s, {stalled:.1f} s stalled on communication, rank 0 moved "
+          + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in moved.items()))
+    single = single_process(args, train, test)
+    print(f"test accuracy: {world} workers ({args.mode}) {ours:.2f}%   single process, same global batch and epochs {single:.2f}%")
+    ok = abs(ours - single) <= 1.0
+    print("OK: within 1 point" if ok else "MISMATCH: more than 1 point apart")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

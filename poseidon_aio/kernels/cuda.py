@@ -1,0 +1,27 @@
+"""The CuPy kernels, for factors that live on a GPU. Imported only when ``cupy.cuda.is_available()``."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import cupy
+import torch
+
+
+def _cp(t: torch.Tensor):
+    return cupy.from_dlpack(torch.utils.dlpack.to_dlpack(t.contiguous()))
+
+
+def reconstruct(us: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], scale: float, out_weight: torch.Tensor, out_bias=None) -> None:
+    with cupy.cuda.ExternalStream(torch.cuda.current_stream(out_weight.device).cuda_stream):
+        u = cupy.concatenate([_cp(x) for x in us], axis=0)
+        v = cupy.concatenate([_cp(x) for x in vs], axis=0)
+        w = _cp(out_weight)
+        cupy.matmul(u.T, v, out=w)
+        if scale != 1.0:
+            w *= scale
+        if out_bias is not None:
+            b = _cp(out_bias)
+            cupy.sum(u, axis=0, out=b)
+            if scale != 1.0:
+                b *= scale

@@ -1,0 +1,173 @@
+"""Layers of a torch model as the synchronization sees them, and the backward hooks that report them.
+
+A *layer* is a module that directly owns trainable parameters. A parameter shared by several
+modules (tied weights) belongs to the first that owns it; a shared weight is never sent by SFB,
+whose factors only describe one module's use of it.
+
+Hooks run on the compute thread. They never block and never touch a socket: they record what they
+must (for SFB the input rows in the forward, the output-gradient rows in the backward) and hand
+the layer to the event loop with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ..sync.cost import LayerShape
+
+
+@dataclass
+class Layer:
+    """One synchronization unit: a module and the trainable parameters it owns."""
+
+    index: int
+    name: str
+    module: nn.Module
+    params: list  # [(qualified name, Parameter)]
+    param_ids: list = field(default_factory=list)  # manifest indices
+    sfb_capable: bool = False
+
+    @property
+    def kind(self) -> str:
+        if isinstance(self.module, nn.Linear):
+            return "fc"
+        if isinstance(self.module, nn.modules.conv._ConvNd):
+            return "conv"
+        return "other"
+
+    def shape(self, rows: int = 0) -> LayerShape:
+        if self.kind == "fc":
+            m, n = self.module.weight.shape
+            return LayerShape(self.name, "fc", m, n, rows=rows, bias=self.module.bias is not None)
+        total = sum(p.numel() for _, p in self.params)
+        return LayerShape(self.name, self.kind, total, 1)
+
+
+def discover(model: nn.Module) -> list:
+    """The model's layers in module order, each trainable parameter in exactly one of them."""
+    seen: dict = {}
+    users: dict = {}
+    for _, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+    layers = []
+    for name, module in model.named_modules():
+        own = []
+        for pname, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen[id(p)] = True
+            own.append((f"{name}.{pname}" if name else pname, p))
+        if not own:
+            continue
+        sfb = (
+            isinstance(module, nn.Linear)
+            and module.weight.requires_grad
+            and users[id(module.weight)] == 1
+            and (module.bias is None or (module.bias.requires_grad and users[id(module.bias)] == 1))
+            and len(own) == (2 if module.bias is not None else 1)
+        )
+        layers.append(Layer(len(layers), name or "<root>", module, own, sfb_capable=sfb))
+    return layers
+
+
+class FactorCapture:
+    """Forward/backward hooks of an ``nn.Linear`` that keep its sufficient factors.
+
+    ``v``: the input rows (K×N), kept in the forward; ``u``: the output-gradient rows (K×M),
+    kept in the backward. A module called several times in one forward keeps the rows of every
+    call, paired call by call, so ``sum u^T v`` is still its whole gradient.
+    """
+
+    def __init__(self, layer: Layer, on_ready: Callable[[Layer], None]) -> None:
+        self.layer = layer
+        self.on_ready = on_ready
+        self.enabled = False
+        self.rows: list = []
+        self._vs: list = []
+        self._us: dict = {}
+        self._calls = 0
+        self._lock = threading.Lock()
+        self._handle = layer.module.register_forward_hook(self._forward)
+
+    def reset(self) -> None:
+        self._vs, self._us, self._calls, self.rows = [], {}, 0, []
+
+    def _forward(self, module: nn.Module, inputs, output) -> None:
+        x = inputs[0]
+        n = module.weight.shape[1]
+        self.rows.append(x.numel() // n)
+        if not self.enabled or not output.requires_grad:
+            return
+        call = self._calls
+        self._calls += 1
+        self._vs.append(x.detach().reshape(-1, n))
+        m = module.weight.shape[0]
+
+        def grad_hook(g: torch.Tensor) -> None:
+            with self._lock:
+                self._us[call] = g.detach().reshape(-1, m)
+                done = len(self._us) == self._calls
+            if done:
+                self.on_ready(self.layer)
+
+        output.register_hook(grad_hook)
+
+    def factors(self) -> tuple:
+        """``(u, v)``: all calls' rows, contiguous float32, in call order."""
+        us = [self._us[i] for i in range(self._calls)]
+        u = torch.cat(us) if len(us) > 1 else us[0]
+        v = torch.cat(self._vs) if len(self._vs) > 1 else self._vs[0]
+        return u.contiguous(), v.contiguous()
+
+    @property
+    def captured(self) -> bool:
+        return self._calls > 0 and len(self._us) == self._calls
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+class GradReady:
+    """Post-accumulate-grad hooks on a layer's parameters: the layer is ready once all have fired."""
+
+    def __init__(self, layer: Layer, on_ready: Callable[[Layer], None]) -> None:
+        self.layer = layer
+        self.on_ready = on_ready
+        self.enabled = False
+        self._fired: set = set()
+        self._lock = threading.Lock()
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for _, p in layer.params]
+
+    def reset(self) -> None:
+        self._fired = set()
+
+    def _hook(self, param: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            self._fired.add(id(param))
+            done = len(self._fired) == len(self.layer.params)
+        if done:
+            self.on_ready(self.layer)
+
+    @property
+    def fired(self) -> bool:
+        return len(self._fired) == len(self.layer.params)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def grad_or_zeros(param: torch.Tensor) -> torch.Tensor:
+    """The parameter's gradient, or zeros where it got none this step (an unused branch)."""
+    g: Optional[torch.Tensor] = param.grad
+    if g is None:
+        return torch.zeros_like(param)
+    return g if g.is_contiguous() else g.contiguous()

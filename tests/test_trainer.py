@@ -1,0 +1,98 @@
+"""The trainer across real worker processes: every mode, replicas identical, equal to one process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from poseidon_aio.sync.cost import LayerShape, Scheme, layer_cost
+
+from .cluster import run_workers
+from .trainworkers import build_model, single_process, train_worker
+
+pytestmark = pytest.mark.slow
+
+RUNS = [("naive", "naive", None), ("wfbp", "wfbp", None), ("poseidon", "poseidon", None), ("again", "poseidon", None)]
+
+specs = st.one_of(
+    st.fixed_dictionaries(
+        {"kind": st.just("mlp"), "inputs": st.integers(8, 40), "hidden": st.lists(st.integers(16, 48), min_size=1, max_size=3), "classes": st.integers(2, 6)}
+    ),
+    st.fixed_dictionaries(
+        {"kind": st.just("cnn"), "channels": st.integers(2, 4), "side": st.integers(5, 8), "hidden": st.lists(st.integers(16, 40), min_size=1, max_size=1), "classes": st.integers(2, 6)}
+    ),
+)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(spec=specs, workers=st.integers(2, 4), seed=st.integers(0, 1000))
+def test_every_mode_keeps_replicas_identical_and_equals_one_process(spec, workers, seed):
+    steps, size = 3, 4
+    res = run_workers(workers, train_worker, spec, seed, RUNS, steps, size, {}, timeout=240)
+    reference = single_process(spec, seed, workers, steps, size)
+    for label, *_ in RUNS:
+        params = res[0][label]["params"]
+        for r in range(1, workers):
+            for a, b in zip(params, res[r][label]["params"]):
+                assert a.tobytes() == b.tobytes(), f"{label}: rank {r}'s replica differs from rank 0's"
+        for a, ref in zip(params, reference):
+            np.testing.assert_allclose(a, ref, rtol=1e-5, atol=1e-6, err_msg=f"{label} differs from the single-process run")
+    # Same seed, same result: the second poseidon run is bit for bit the first.
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(res[0]["poseidon"]["params"], res[0]["again"]["params"]))
+
+
+def test_hybcomm_uses_sfb_where_it_is_cheaper_and_bytes_match_the_cost_model():
+    spec = {"kind": "mlp", "inputs": 64, "hidden": [96, 96], "classes": 2}  # the 96x2 head is cheaper by PS
+    workers, steps, size = 3, 3, 4
+    runs = [("poseidon", "poseidon", None), ("wfbp", "wfbp", None)]
+    res = run_workers(workers, train_worker, spec, 5, runs, steps, size, {}, timeout=240)
+    model = build_model(spec, 5)
+    linears = [m for m in model if hasattr(m, "weight")]
+    shapes = [LayerShape(str(i), "fc", m.weight.shape[0], m.weight.shape[1], rows=size, bias=True) for i, m in enumerate(linears)]
+    schemes = res[0]["poseidon"]["schemes"]
+    names = [n for n in schemes]
+    predicted = {"ps": 0.0, "sfb": 0.0}
+    for name, shape in zip(names, shapes):
+        cost = layer_cost(shape, workers, workers)
+        chosen = Scheme(schemes[name])
+        expected = Scheme.SFB if cost.sfb <= cost.ps_combined else Scheme.PS
+        assert chosen is expected, f"{name}: chose {chosen}, the cost model says {expected}"
+        predicted[chosen.value] += (cost.sfb if chosen is Scheme.SFB else cost.ps_combined) * 4 * steps
+    assert "sfb" in schemes.values() and "ps" in schemes.values()
+    for scheme, floats in predicted.items():
+        measured = sum(res[r]["poseidon"]["bytes"].get(scheme, 0) for r in range(workers)) / workers
+        assert abs(measured - floats) <= 0.05 * floats, f"{scheme}: {measured} bytes on the wire per rank, cost model {floats}"
+    ps_only = sum(res[r]["wfbp"]["bytes"]["ps"] for r in range(workers)) / workers
+    ps_predicted = sum(layer_cost(s, workers, workers).ps_combined for s in shapes) * 4 * steps
+    assert abs(ps_only - ps_predicted) <= 0.05 * ps_predicted
+
+
+@pytest.mark.parametrize("mode,staleness", [("poseidon", 0), ("wfbp", 1)])
+def test_frozen_tied_unused_params_any_optimizer_and_scheduler(mode, staleness):
+    from .trainworkers import tricky_single, tricky_worker
+
+    workers, steps, size, seed = 2, 3, 4, 3
+    res = run_workers(workers, tricky_worker, seed, steps, size, staleness, mode, timeout=120)
+    params, schemes = res[0]
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(params, res[1][0])), "replicas differ"
+    if staleness == 0:
+        for a, ref in zip(params, tricky_single(seed, workers, steps, size)):
+            np.testing.assert_allclose(a, ref, rtol=1e-5, atol=1e-6)
+        if mode == "poseidon":
+            assert schemes["shared"] == "sfb" and schemes["head"] == "ps"  # a tied weight never goes by SFB
+
+
+def test_layer_syncs_overlap_the_backward_in_wfbp_and_not_in_naive(tmp_path):
+    from .trainworkers import overlap_worker
+
+    wfbp = run_workers(2, overlap_worker, "wfbp", str(tmp_path / "wfbp.json"), timeout=120)
+    naive = run_workers(2, overlap_worker, "naive", str(tmp_path / "naive.json"), timeout=120)
+    overlaps, _, events = wfbp[0]
+    assert max(overlaps) > 0
+    computes = [e for e in events if e["tid"] == "compute" and e["ph"] == "X"]
+    syncs = [e for e in events if e["tid"].startswith("sync")]
+    last = computes[-1]
+    assert any(last["ts"] <= e["ts"] < last["ts"] + last["dur"] for e in syncs), "no sync began during the backward"
+    assert max(naive[0][0]) == 0.0

@@ -1,0 +1,175 @@
+"""Models, data and worker bodies for the trainer tests (run in spawned processes)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def build_model(spec: dict, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    if spec["kind"] == "mlp":
+        layers, width = [], spec["inputs"]
+        for h in spec["hidden"]:
+            layers += [nn.Linear(width, h), nn.Tanh()]
+            width = h
+        layers.append(nn.Linear(width, spec["classes"]))
+        return nn.Sequential(*layers)
+    c = spec["channels"]
+    return nn.Sequential(
+        nn.Conv2d(1, c, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(c, c, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(c * (spec["side"] - 2) ** 2, spec["hidden"][0]),
+        nn.ReLU(),
+        nn.Linear(spec["hidden"][0], spec["classes"]),
+    )
+
+
+def batch(spec: dict, seed: int, rank: int, step: int, size: int):
+    g = torch.Generator().manual_seed(seed * 7919 + rank * 104729 + step)
+    shape = (size, spec["inputs"]) if spec["kind"] == "mlp" else (size, 1, spec["side"], spec["side"])
+    return torch.randn(*shape, generator=g), torch.randint(0, spec["classes"], (size,), generator=g)
+
+
+def make_optimizer(model: nn.Module):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+
+
+def single_process(spec: dict, seed: int, workers: int, steps: int, size: int) -> list:
+    """The reference: one process, the concatenated global batch, the same optimizer."""
+    torch.set_num_threads(1)
+    model = build_model(spec, seed)
+    opt = make_optimizer(model)
+    for t in range(steps):
+        xs, ys = zip(*(batch(spec, seed, r, t, size) for r in range(workers)))
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size: int, ps_kwargs: dict):
+    """Train once per ``(label, mode, overrides)`` in ``runs`` over one store; return parameters and stats."""
+    import poseidon_aio
+    from poseidon_aio.cluster import ClusterEnv, Rendezvous
+    from poseidon_aio.ps import PSConfig
+
+    torch.set_num_threads(1)
+
+    async def main():
+        rdzv = Rendezvous(ClusterEnv.from_env(), timeout=60)
+        await rdzv.start()
+        out = {}
+        for label, mode, overrides in runs:
+            model = build_model(spec, seed + (rank if label == "skewed" else 0))
+            opt = make_optimizer(model)
+            trainer = poseidon_aio.Trainer(
+                model, opt, nn.functional.cross_entropy, mode=mode, schemes=overrides,
+                ps=PSConfig(**ps_kwargs), rendezvous=rdzv.scoped(label),
+            )
+            stats = []
+            async with trainer:
+                for t in range(steps):
+                    stats.append(await trainer.step(batch(spec, seed, rank, t, size)))
+            out[label] = {
+                "params": [p.detach().numpy().copy() for p in model.parameters()],
+                "schemes": stats[-1].schemes,
+                "bytes": dict(trainer.bytes_total),
+                "losses": [s.loss for s in stats],
+            }
+        await rdzv.leave()
+        return out
+
+    return poseidon_aio.run(main())
+
+
+class Tricky(nn.Module):
+    """Frozen, tied and sometimes-unused parameters, and a Linear called twice per forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(12, 16)
+        self.frozen = nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.shared = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 5)
+        self.tied = nn.Linear(16, 5)
+        self.tied.weight = self.head.weight  # tied with head
+        self.unused = nn.Linear(16, 16)  # never called
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+        h = torch.tanh(self.frozen(h))
+        h = torch.tanh(self.shared(torch.tanh(self.shared(h))))  # one Linear, two calls
+        return self.head(h) + self.tied(h)
+
+
+def tricky_single(seed: int, workers: int, steps: int, size: int, staleness: int = 0) -> list:
+    torch.manual_seed(seed)
+    model = Tricky()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    spec = {"kind": "mlp", "inputs": 12, "classes": 5}
+    for t in range(steps):
+        xs, ys = zip(*(batch(spec, seed, r, t, size) for r in range(workers)))
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+        sched.step()
+    return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def tricky_worker(rank: int, seed: int, steps: int, size: int, staleness: int, mode: str):
+    import poseidon_aio
+    from poseidon_aio.ps import PSConfig
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed + rank)  # different start on every rank: rank 0's must win
+    model = Tricky()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    spec = {"kind": "mlp", "inputs": 12, "classes": 5}
+
+    async def main():
+        overlaps = []
+        async with poseidon_aio.Trainer(
+            model, opt, nn.functional.cross_entropy, mode=mode, ps=PSConfig(staleness=staleness),
+            schemes={"shared": "sfb"} if mode == "poseidon" else None,
+        ) as trainer:
+            for t in range(steps):
+                stats = await trainer.step(batch(spec, seed, rank, t, size))
+                overlaps.append(stats.schemes)
+                sched.step()
+        return [p.detach().numpy().copy() for p in model.parameters()], overlaps[-1]
+
+    return poseidon_aio.run(main())
+
+
+def overlap_worker(rank: int, mode: str, trace_path: str):
+    """A CNN big enough that its backward takes a while: does sync overlap it?"""
+    import json
+
+    import poseidon_aio
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 16 * 16, 256), nn.ReLU(), nn.Linear(256, 10),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    async def main():
+        stats = []
+        async with poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, mode=mode, trace=trace_path) as trainer:
+            for t in range(3):
+                g = torch.Generator().manual_seed(t * 10 + rank)
+                stats.append(await trainer.step((torch.randn(32, 3, 16, 16, generator=g), torch.randint(0, 10, (32,), generator=g))))
+        with open(trace_path) as f:
+            events = json.load(f)["traceEvents"]
+        return [s.overlap_s for s in stats], [s.stall_s for s in stats], events
+
+    return poseidon_aio.run(main())
