@@ -1,0 +1,70 @@
+"""Hosts for the bench: one network namespace per process on a bridge, each link capped by tc tbf.
+
+Needs root (and iproute2). Each namespace ``psdn<i>`` has ``eth0`` = 10.77.0.<i+1>/24 on a veth
+whose host end is on bridge ``psdnbr``; tbf caps both directions (egress inside the namespace =
+the process's upload, egress of the host end = its download), with the 256 KB burst a 1 Gbit tbf
+needs. Everything made here is removed by ``teardown`` (also on error).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from contextlib import contextmanager
+
+BRIDGE = "psdnbr"
+SUBNET = "10.77.0"
+
+
+def available() -> tuple:
+    """``(True, "")`` where namespaces can be made, else ``(False, why)``."""
+    if os.geteuid() != 0:
+        return False, "not root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return False, "iproute2 (ip, tc) missing"
+    probe = subprocess.run(["ip", "netns", "add", "psdnprobe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return False, f"cannot create a network namespace: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", "psdnprobe"], capture_output=True)
+    return True, ""
+
+
+def _sh(*cmd: str) -> None:
+    done = subprocess.run(list(cmd), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
+
+
+def address(i: int) -> str:
+    return f"{SUBNET}.{i + 1}"
+
+
+def teardown(n: int = 16) -> None:
+    for i in range(n):
+        subprocess.run(["ip", "netns", "del", f"psdn{i}"], capture_output=True)
+    subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
+
+
+@contextmanager
+def hosts(n: int, rate: str):
+    """``n`` namespaces whose links are capped at ``rate`` (tc syntax, e.g. "1gbit")."""
+    teardown()
+    try:
+        _sh("ip", "link", "add", BRIDGE, "type", "bridge")
+        _sh("ip", "link", "set", BRIDGE, "up")
+        for i in range(n):
+            ns, host_end = f"psdn{i}", f"psdnv{i}"
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _sh("ip", "link", "set", host_end, "master", BRIDGE)
+            _sh("ip", "link", "set", host_end, "up")
+            _sh("ip", "-n", ns, "addr", "add", f"{address(i)}/24", "dev", "eth0")
+            _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            for where in (["tc"], ["ip", "netns", "exec", ns, "tc"]):
+                dev = host_end if len(where) == 1 else "eth0"
+                _sh(*where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms")
+        yield [f"psdn{i}" for i in range(n)]
+    finally:
+        teardown(n)
