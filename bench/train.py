@@ -138,7 +138,7 @@ def worker(cfg: dict) -> None:
             loss_fn(ddp(x), y).backward()
             opt.step()
             times.append(time.perf_counter() - started)
-        dist.destroy_process_group()
+        dist.barrier()
         extra = {}
     else:
         import poseidon_aio
@@ -170,6 +170,9 @@ def worker(cfg: dict) -> None:
         extra = {"schemes": stats[-1].schemes, "stall_s": statistics.median(s.stall_s for s in stats[cfg["warmup"]:]), "bytes": stats[-1].bytes}
     with open(cfg["out"], "w") as f:
         json.dump({"times": times[cfg["warmup"]:], **extra}, f)
+    # gloo's teardown can hang once peers are gone; the result is written, leave at once.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 # -- the harness ----------------------------------------------------------------------------------

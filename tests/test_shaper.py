@@ -83,3 +83,22 @@ def test_invalid_settings_are_config_errors(kwargs):
 def test_invalid_bucket_is_a_config_error(rate, burst):
     with pytest.raises(ConfigError):
         TokenBucket(rate=rate, burst=burst)
+
+
+async def test_message_lane_serializes_start_up_costs_by_priority():
+    import time
+
+    from poseidon_aio.net import MessageLane
+
+    lane = MessageLane(0.02)
+    order = []
+
+    async def frame(name, priority):
+        await lane.acquire(priority)
+        order.append(name)
+
+    started = time.monotonic()
+    await asyncio.gather(frame("a", 5), frame("b", 5), frame("first", 0))
+    elapsed = time.monotonic() - started
+    assert order == ["first", "a", "b"]  # all three queued before the lane opened: priority first
+    assert elapsed >= 3 * 0.02 * 0.9  # three frames, three start-ups, one after another

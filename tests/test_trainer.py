@@ -14,7 +14,13 @@ from .trainworkers import build_model, single_process, train_worker
 
 pytestmark = pytest.mark.slow
 
-RUNS = [("naive", "naive", None), ("wfbp", "wfbp", None), ("poseidon", "poseidon", None), ("again", "poseidon", None)]
+RUNS = [
+    ("naive", "naive", None),
+    ("wfbp", "wfbp", None),
+    ("mgwfbp", "mgwfbp", None),
+    ("poseidon", "poseidon", None),
+    ("again", "poseidon", None),
+]
 
 specs = st.one_of(
     st.fixed_dictionaries(
@@ -96,3 +102,28 @@ def test_layer_syncs_overlap_the_backward_in_wfbp_and_not_in_naive(tmp_path):
     last = computes[-1]
     assert any(last["ts"] <= e["ts"] < last["ts"] + last["dur"] for e in syncs), "no sync began during the backward"
     assert max(naive[0][0]) == 0.0
+
+
+def test_merged_and_unmerged_syncs_give_bitwise_equal_results_and_one_plan_everywhere():
+    from .trainworkers import merge_worker
+
+    spec = {"kind": "mlp", "inputs": 12, "hidden": [8, 8, 8, 8], "classes": 3}
+    runs = [("wfbp", "wfbp", None), ("single", "mgwfbp", "single"), ("alg1", "mgwfbp", "algorithm1"), ("optimal", "mgwfbp", "optimal")]
+    res = run_workers(3, merge_worker, spec, 2, runs, 4, 4, timeout=180)
+    base = res[0]["wfbp"]["params"]
+    for label in ("single", "alg1", "optimal"):
+        for r in range(3):
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(base, res[r][label]["params"])), f"{label} on rank {r}"
+    assert len(res[0]["single"]["groups"]) == 1
+    for label in ("alg1", "optimal"):
+        plans = {json_groups(res[r][label]["groups"]) for r in range(3)}
+        assert len(plans) == 1, f"{label}: ranks used different plans {plans}"
+        assert res[0][label]["info"]["groups"]
+    # Tiny layers on loopback: start-up dominates, so something must have been merged.
+    assert len(res[0]["optimal"]["groups"]) < 5
+
+
+def json_groups(groups) -> str:
+    import json
+
+    return json.dumps(groups)

@@ -22,7 +22,7 @@ class Mesh:
         self._listener: Optional[Listener] = None
 
     @classmethod
-    async def start(cls, rdzv: Rendezvous, net: NetConfig, *, timeout: float = 60.0) -> "Mesh":
+    async def start(cls, rdzv: Rendezvous, net: NetConfig, *, timeout: float = 60.0, process_shaper=None) -> "Mesh":
         self = cls()
         env = rdzv.env
         world = env.world_size
@@ -39,11 +39,11 @@ class Mesh:
                 everyone.set()
 
         host = advertise_host(env.master_addr)
-        self._listener = await listen(host, 0, rank=env.rank, config=net, on_connection=accept)
+        self._listener = await listen(host, 0, rank=env.rank, config=net, on_connection=accept, process_shaper=process_shaper)
         await rdzv.publish(f"addr/mesh/{env.rank}", f"{host}:{self._listener.address[1]}")
         for peer in range(env.rank):
             h, p = (await rdzv.read(f"addr/mesh/{peer}", who=f"rank {peer}")).rsplit(":", 1)
-            self.peers[peer] = await connect(h, int(p), rank=env.rank, config=net)
+            self.peers[peer] = await connect(h, int(p), rank=env.rank, config=net, process_shaper=process_shaper)
         if len(self.peers) == world - 1:
             everyone.set()
         try:

@@ -80,7 +80,9 @@ class PSClient:
 
     # -- pushes -----------------------------------------------------------------------------
 
-    def push(self, params: Sequence[int], grads: Sequence[np.ndarray], out: Sequence[np.ndarray], clock: int) -> asyncio.Task:
+    def push(
+        self, params: Sequence[int], grads: Sequence[np.ndarray], out: Sequence[np.ndarray], clock: int, priority: int = 0
+    ) -> asyncio.Task:
         """Push the gradients of ``params`` for ``clock``; return a task of the :class:`PushResult`.
 
         Args:
@@ -90,6 +92,8 @@ class PSClient:
                 be ``grads`` themselves only if the caller does not need the local gradient —
                 a reply can land while the push is still being sent.
             clock: the iteration clock.
+            priority: lower goes first among frames waiting for the link (the bandwidth manager
+                gives layers nearest the input the lowest numbers: they gate the next forward).
         Raises:
             LocalProtocolError: a message mixes these parameters with others (push the whole
                 merge group), or shapes do not match the manifest.
@@ -107,7 +111,7 @@ class PSClient:
                     )
         flat_g = [self._checked(params[i], grads[i]) for i in range(len(params))]
         flat_o = [self._checked(params[i], out[i]) for i in range(len(params))]
-        return asyncio.ensure_future(self._push(messages, index, flat_g, flat_o, clock))
+        return asyncio.ensure_future(self._push(messages, index, flat_g, flat_o, clock, priority))
 
     def _slices(self, m: Message, flat: list, index: dict) -> list:
         """Views of the key-value pairs of message ``m`` in the flattened arrays."""
@@ -128,7 +132,7 @@ class PSClient:
             raise LocalProtocolError(f"rank {self.rank}: {spec.name} must be C-contiguous")
         return array.reshape(-1)
 
-    async def _push(self, messages, index, flat_g, flat_o, clock: int) -> PushResult:
+    async def _push(self, messages, index, flat_g, flat_o, clock: int, priority: int) -> PushResult:
         server = self.config.server_sgd is not None
         reply_kind, reply_clock = (Kind.PARAMS, clock + 1) if server else (Kind.AGGREGATE, clock)
         waits, sends, scatter, sent, received, remote = [], [], [], 0, 0, 0
@@ -141,7 +145,7 @@ class PSClient:
                 into = np.empty(sum(o.size for o in outs), dtype=outs[0].dtype)
                 scatter.append((into, outs))
             waits.append((m, conn.expect(reply_kind, m.id, reply_clock, into=into)))
-            sends.append(conn.send(Kind.PUSH, parts, key=m.id, clock=clock, dtype=WIRE_DTYPE[m.dtype]))
+            sends.append(conn.send(Kind.PUSH, parts, key=m.id, clock=clock, dtype=WIRE_DTYPE[m.dtype], priority=priority))
             sent += m.nbytes
             received += m.nbytes
             if not conn.is_local:

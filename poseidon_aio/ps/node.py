@@ -55,10 +55,10 @@ async def _agree_on_start(rdzv: Rendezvous, config: PSConfig, book: InformationB
     return start_clock, state
 
 
-async def _host_shard(rdzv, index, rank, book, config, net, start_clock, state):
+async def _host_shard(rdzv, index, rank, book, config, net, start_clock, state, shaper=None):
     host = advertise_host(rdzv.env.master_addr)
     shard = KVShard(index, book, config, start_clock=start_clock, state=state or None)
-    listener = await listen(host, 0, rank=rank, config=net, on_connection=shard.attach)
+    listener = await listen(host, 0, rank=rank, config=net, on_connection=shard.attach, process_shaper=shaper)
     await rdzv.publish(f"addr/shard/{index}", f"{host}:{listener.address[1]}")
     return shard, listener
 
@@ -77,6 +77,7 @@ class PSNode:
         self.resumed = False
         self._rdzv: Rendezvous
         self._listener = None
+        self._shaper = None
 
     @classmethod
     async def start(
@@ -89,6 +90,7 @@ class PSNode:
         groups: Optional[Sequence[Sequence[str]]] = None,
         start_clock: int = 0,
         rendezvous: Optional[Rendezvous] = None,
+        process_shaper=None,
     ) -> "PSNode":
         """Join the job and return a ready node.
 
@@ -103,6 +105,8 @@ class PSNode:
             start_clock: the clock to start at, when no shard checkpoint says otherwise.
             rendezvous: an already started :class:`Rendezvous` (e.g. a ``scoped`` view, to run
                 several nodes over one store); by default the node opens its own.
+            process_shaper: a :class:`~poseidon_aio.net.Shaper` every connection of this
+                process shares (the bandwidth manager's budget).
         Raises:
             ConfigError, ManifestMismatch, PeerTimeout, CheckpointError: start-up failed.
         """
@@ -116,6 +120,7 @@ class PSNode:
             self._rdzv = Rendezvous(self.env, timeout=config.rendezvous_timeout)
             await self._rdzv.start()
         self.rank = self.env.rank
+        self._shaper = process_shaper
         try:
             await self._join(manifest, net, groups, start_clock)
         except BaseException:
@@ -145,7 +150,7 @@ class PSNode:
         self.resumed = state is not False
         self.start_clock = start_clock
         if index is not None:
-            self.shard, self._listener = await _host_shard(rdzv, index, env.rank, self.book, config, net, start_clock, state)
+            self.shard, self._listener = await _host_shard(rdzv, index, env.rank, self.book, config, net, start_clock, state, self._shaper)
         conns = {}
         if self.shard is not None:  # our own shard: an in-process link, no socket
             conns[index], shard_end = LocalLink.pair(env.rank, env.rank)
@@ -153,7 +158,7 @@ class PSNode:
         for s in range(shards):
             if s not in conns:
                 h, p = (await rdzv.read(f"addr/shard/{s}", who=f"the host of shard {s}")).rsplit(":", 1)
-                conns[s] = await connect(h, int(p), rank=env.rank, config=net)
+                conns[s] = await connect(h, int(p), rank=env.rank, config=net, process_shaper=self._shaper)
         self.client = PSClient(env.rank, self.book, config, conns, start_clock=start_clock)
         await rdzv.barrier("ps-ready")
 

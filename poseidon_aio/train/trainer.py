@@ -12,8 +12,16 @@ Modes:
 
 * ``naive``: every layer by PS, all syncs started after the whole backward;
 * ``wfbp``: every layer by PS, each started the moment its gradient exists;
+* ``mgwfbp``: WFBP by PS with MG-WFBP merging: after ``merge_after`` measured steps, consecutive
+  layers whose separate messages would each pay the start-up cost travel as one message;
 * ``poseidon``: WFBP + HybComm: fully-connected layers by SFB where the cost model says it moves
-  fewer bytes (ATC'17 Algorithm 1), the rest by PS.
+  fewer bytes (ATC'17 Algorithm 1), the rest by PS, merged as in ``mgwfbp``.
+
+Merging (../shared/papers/mg-wfbp.md): at start-up the ranks time messages of 4 KiB to 4 MiB
+around a ring and fit ``T(p) = a + b p``; the first ``merge_after`` steps measure every layer's
+backward time on the compute thread and every PS sync; rank 0 then plans (Algorithm 1, or the
+exact dynamic program with ``merge="optimal"``), publishes the plan, every rank checks its hash,
+and the parameter server is rebuilt with one message per merged group and shard.
 """
 
 from __future__ import annotations
@@ -37,13 +45,17 @@ from ..cluster.mesh import Mesh
 from ..errors import ConfigError, RemoteProtocolError, SyncTimeout
 from ..net import NetConfig
 from ..ps import PSConfig, PSNode
+from ..net import Shaper, TokenBucket
 from ..sync.cost import Scheme, best_scheme
+from ..sync.mgwfbp import CommModel, fit, merge_plan, optimal_plan
 from ..wire import DType, Kind
 from .layers import FactorCapture, GradReady, Layer, discover, grad_or_zeros
 
 log = logging.getLogger("poseidon_aio.train")
 
-MODES = ("naive", "wfbp", "poseidon")
+MODES = ("naive", "wfbp", "mgwfbp", "poseidon")
+MERGES = ("none", "algorithm1", "optimal", "single")
+CALIBRATION_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 _TORCH_WIRE = {torch.float32: DType.FLOAT32, torch.float64: DType.FLOAT64, torch.float16: DType.FLOAT16, torch.int64: DType.INT64, torch.int32: DType.INT32, torch.uint8: DType.UINT8, torch.bool: DType.UINT8}
 
 
@@ -87,7 +99,10 @@ class _Step:
         self.agg: dict = {}  # manifest index -> tensor receiving the averaged gradient
         self.compute_done = False
         self.t_start = self.t_compute_end = 0.0
-        self.spans: list = []  # (layer, scheme, ready, start, end)
+        self.spans: list = []  # [label, scheme, ready, start, end]
+        self.ready_at: dict = {}  # layer index -> when its gradient (or factors) were ready
+        self.t_forward_end = 0.0
+        self.groups_launched: set = set()
         self.bytes = {"ps": 0, "sfb": 0}
         self.dropped: set = set()
 
@@ -111,6 +126,15 @@ class Trainer:
         env: the launcher environment (default: ``RANK``, ``WORLD_SIZE``, ... from the environment).
         rendezvous: an already started :class:`Rendezvous` (a ``scoped`` view), to run several
             trainers one after another over one store.
+        merge: ``"algorithm1"`` (MG-WFBP's, the default in ``mgwfbp``/``poseidon``), ``"optimal"``
+            (an exact dynamic program over the same model), ``"single"`` (every PS layer in one
+            message after the backward: SyncEASGD) or ``"none"``.
+        merge_after: measured steps before the merge plan is made.
+        bandwidth: the bandwidth manager's per-process budget, bytes/s of outbound data on all
+            connections together; frames of layers nearest the input go first.
+        shaper: a process-wide :class:`~poseidon_aio.net.Shaper` to use instead (e.g. with a
+            per-message start-up cost, to emulate a network's alpha).
+        calibration_sizes: message sizes timed at start-up to fit alpha and beta.
 
     >>> # async with Trainer(model, torch.optim.SGD(model.parameters(), 0.1), F.cross_entropy) as trainer:
     >>> #     for batch in loader:
@@ -131,9 +155,21 @@ class Trainer:
         trace: Optional[str] = None,
         env: Optional[ClusterEnv] = None,
         rendezvous: Optional[Rendezvous] = None,
+        merge: Optional[str] = None,
+        merge_after: int = 3,
+        bandwidth: Optional[float] = None,
+        shaper: Optional[Shaper] = None,
+        calibration_sizes=CALIBRATION_SIZES,
     ) -> None:
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+        merge = merge or ("algorithm1" if mode in ("mgwfbp", "poseidon") else "none")
+        if merge not in MERGES:
+            raise ConfigError(f"merge must be one of {MERGES}, got {merge!r}")
+        if merge != "none" and mode in ("naive", "wfbp"):
+            raise ConfigError(f"mode {mode!r} sends every layer on its own; merging is mode 'mgwfbp' or 'poseidon'")
+        if merge_after < 1:
+            raise ConfigError("merge_after must be >= 1 measured step")
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -145,6 +181,12 @@ class Trainer:
         self.trace_path = trace
         self.env = env
         self._given_rdzv = rendezvous
+        self.merge = merge
+        self.merge_after = merge_after
+        self.calibration_sizes = tuple(calibration_sizes)
+        self._shaper = shaper or (Shaper(egress=TokenBucket(bandwidth, 256 * 1024)) if bandwidth else None)
+        #: The merge plan in force: groups of layer names, the fitted model, the predicted times.
+        self.merge_info: dict = {}
         self.clock = 0
         self.layers = discover(model)
         self.schemes: dict = {}
@@ -164,6 +206,11 @@ class Trainer:
         self._captures: dict = {}
         self._ready: dict = {}
         self._ps_index: dict = {}
+        self._groups: list = []  # PS layers, grouped: one message per group and shard
+        self._group_of: dict = {}
+        self._samples = {"tf": [], "tb": {}, "ps": []}
+        self._calibration: list = []
+        self._generation = 0
         self._shard_bytes_seen = 0
         #: Payload bytes on the network per scheme since start (the shard's replies included).
         self.bytes_total: dict = {}
@@ -198,13 +245,17 @@ class Trainer:
             self.net = NetConfig(token=bytes.fromhex(await self._rdzv.read("trainer-token", who="rank 0")))
         manifest = Manifest(ParamSpec(n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in self._named)
         await self._rdzv.check_manifest(manifest)
-        self._mesh = await Mesh.start(self._rdzv.scoped("mesh"), self.net, timeout=self.ps_config.rendezvous_timeout)
+        self._mesh = await Mesh.start(
+            self._rdzv.scoped("mesh"), self.net, timeout=self.ps_config.rendezvous_timeout, process_shaper=self._shaper
+        )
         # Every parameter, frozen ones too: replicas must start identical.
         await self._broadcast(list(self.model.parameters()), Kind.PARAMS, 0)
         for layer in self.layers:
             self._ready[layer.index] = GradReady(layer, self._on_ready_threadsafe)
             if layer.sfb_capable:
                 self._captures[layer.index] = FactorCapture(layer, self._on_ready_threadsafe)
+        if self.merge in ("algorithm1", "optimal") and self.world > 1:
+            self._calibration = await self._calibrate()  # before the plan, while the links are idle
         self._started = True
 
     async def close(self, failed: bool = False) -> None:
@@ -276,16 +327,21 @@ class Trainer:
         while self._inflight and self._inflight[0].clock <= t - staleness:
             await self._apply(self._inflight.pop(0))
         done = time.perf_counter()
+        replan = self.merge in ("algorithm1", "optimal") and self.world > 1 and t < self.merge_after and len(self._groups) > 1
+        if replan:
+            self._measure(state)
         state.bytes["ps"] += self._shard_bytes_delta()
         for scheme, n in state.bytes.items():
             self.bytes_total[scheme] = self.bytes_total.get(scheme, 0) + n
         self.clock += 1
+        if replan and t == self.merge_after - 1:
+            await self._replan()  # the new parameter server starts at the next clock
         stats = StepStats(
             clock=t,
             loss=loss,
             compute_s=state.t_compute_end - started,
             stall_s=done - state.t_compute_end,
-            overlap_s=sum(max(0.0, min(end, state.t_compute_end) - start) for _, _, _, start, end in state.spans if end),
+            overlap_s=sum(max(0.0, min(end, state.t_compute_end) - start) for *_, start, end in state.spans if end),
             step_s=done - started,
             bytes=dict(state.bytes),
             dropped=sorted(state.dropped),
@@ -309,6 +365,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         out = self.model(inputs)
         loss = self.loss_fn(out, targets)
+        self._state.t_forward_end = time.perf_counter()
         loss.backward()
         return float(loss.detach())
 
@@ -325,24 +382,32 @@ class Trainer:
             state.deferred.append(layer)  # naive: nothing moves until the backward is over
             return
         state.launched.add(layer.index)
-        scheme = self.schemes[layer.index]
-        ready = ready_at or time.perf_counter()
-        span = [layer, scheme, ready, time.perf_counter(), 0.0]
-        if scheme is Scheme.SFB:
-            task = asyncio.ensure_future(self._sfb(state, layer))
-        else:
-            task = asyncio.ensure_future(self._ps_push(state, layer))
+        state.ready_at[layer.index] = ready_at or time.perf_counter()
+        if self.schemes[layer.index] is Scheme.SFB:
+            self._start(state, layer.name, [layer], Scheme.SFB, self._sfb(state, layer))
+            return
+        g = self._group_of[layer.index]
+        group = self._groups[g]
+        if g not in state.groups_launched and all(member.index in state.launched for member in group):
+            state.groups_launched.add(g)  # a merged group goes once its last layer is ready
+            label = group[0].name if len(group) == 1 else f"{group[-1].name}..{group[0].name}"
+            self._start(state, label, group, Scheme.PS, self._ps_push(state, group))
+
+    def _start(self, state: _Step, label: str, layers: list, scheme: Scheme, coro) -> None:
+        span = [label, scheme, max(state.ready_at[x.index] for x in layers), time.perf_counter(), 0.0]
+        task = asyncio.ensure_future(coro)
         task.add_done_callback(lambda _: span.__setitem__(4, time.perf_counter()))
         state.spans.append(span)
-        state.tasks[layer.index] = task
+        state.tasks[(scheme.value, layers[0].index)] = task
 
     # -- schemes ----------------------------------------------------------------------------
 
-    async def _ps_push(self, state: _Step, layer: Layer) -> None:
-        grads = [grad_or_zeros(p).detach().numpy() for _, p in layer.params]
-        outs = [state.agg[i].numpy() for i in layer.param_ids]
-        ids = [self._ps_index[i] for i in layer.param_ids]
-        result = await self._node.client.push(ids, grads, outs, state.clock)
+    async def _ps_push(self, state: _Step, group: list) -> None:
+        grads = [grad_or_zeros(p).detach().numpy() for layer in group for _, p in layer.params]
+        outs = [state.agg[i].numpy() for layer in group for i in layer.param_ids]
+        ids = [self._ps_index[i] for layer in group for i in layer.param_ids]
+        priority = min(layer.index for layer in group)  # nearest the input first
+        result = await self._node.client.push(ids, grads, outs, state.clock, priority)
         state.bytes["ps"] += result.remote_bytes_sent + result.remote_bytes_received
         state.dropped.update(result.dropped)
 
@@ -357,7 +422,9 @@ class Trainer:
         t = state.clock
         waits = {r: conn.expect(Kind.FACTORS, layer.index, t) for r, conn in peers.items()}
         parts = [u.numpy(), v.numpy()]
-        await asyncio.gather(*(conn.send(Kind.FACTORS, parts, key=layer.index, clock=t, dtype=DType.FLOAT32) for conn in peers.values()))
+        await asyncio.gather(
+            *(conn.send(Kind.FACTORS, parts, key=layer.index, clock=t, dtype=DType.FLOAT32, priority=layer.index) for conn in peers.values())
+        )
         try:
             frames = await asyncio.wait_for(asyncio.gather(*waits.values()), self.ps_config.sync_timeout)
         except asyncio.CancelledError:
@@ -459,15 +526,111 @@ class Trainer:
             self.schemes[layer.index] = scheme
         plan = json.dumps({layer.name: self.schemes[layer.index].value for layer in self.layers})
         await self._rdzv.check_digest("scheme plan", plan)
-        ps_params = [i for layer in self.layers if self.schemes[layer.index] is Scheme.PS for i in layer.param_ids]
-        self._ps_index = {i: j for j, i in enumerate(ps_params)}
-        if ps_params:
-            manifest = Manifest(
-                ParamSpec(self._named[i][0], tuple(self._named[i][1].shape), str(self._named[i][1].dtype).replace("torch.", "")) for i in ps_params
-            )
-            self._node = await PSNode.start(manifest, self.ps_config, net=self.net, rendezvous=self._rdzv.scoped("ps"), start_clock=self.clock)
+        ps_layers = [layer for layer in self.layers if self.schemes[layer.index] is Scheme.PS]
+        self._ps_index = {i: j for j, i in enumerate(i for layer in ps_layers for i in layer.param_ids)}
+        self._set_groups([[layer] for layer in ps_layers] if self.merge != "single" or not ps_layers else [ps_layers])
+        if ps_layers:
+            await self._start_ps()
         self._planned = True
         log.info("rank %d: schemes %s", self.rank, plan)
+
+    # -- MG-WFBP ---------------------------------------------------------------------------
+
+    def _set_groups(self, groups: list) -> None:
+        self._groups = groups
+        self._group_of = {layer.index: g for g, members in enumerate(groups) for layer in members}
+
+    async def _start_ps(self) -> None:
+        """(Re)start the parameter server with one message per merge group and shard."""
+        names = [[n for layer in group for n, _ in layer.params] for group in self._groups if len(group) > 1]
+        specs = [
+            ParamSpec(self._named[i][0], tuple(self._named[i][1].shape), str(self._named[i][1].dtype).replace("torch.", ""))
+            for i in sorted(self._ps_index, key=self._ps_index.get)
+        ]
+        self._node = await PSNode.start(
+            Manifest(specs), self.ps_config, net=self.net, groups=names or None, start_clock=self.clock,
+            rendezvous=self._rdzv.scoped(f"ps{self._generation}"), process_shaper=self._shaper,
+        )
+        self._shard_bytes_seen = 0
+
+    async def _calibrate(self) -> list:
+        """Time messages of each calibration size around the ring of ranks: ``[(bytes, seconds)]``."""
+        peers = self._mesh.peers
+        nxt, prv = peers[(self.rank + 1) % self.world], peers[(self.rank - 1) % self.world]
+        samples = []
+        for i, size in enumerate(self.calibration_sizes):
+            payload = np.zeros(size, dtype=np.uint8)
+            for rep in range(3):
+                clock = 1_000_000 + 10 * i + rep
+                wait = prv.expect(Kind.CONTROL, 7, clock)
+                started = time.perf_counter()
+                await nxt.send(Kind.CONTROL, payload, key=7, clock=clock)
+                try:
+                    await asyncio.wait_for(wait, self.ps_config.sync_timeout)
+                except TimeoutError:
+                    raise SyncTimeout(f"rank {self.rank}: calibration message of {size} bytes from rank {prv.peer_rank} did not arrive") from None
+                samples.append((size, time.perf_counter() - started))
+        return samples
+
+    def _measure(self, state: _Step) -> None:
+        """Record a warm-up step's forward time, per-layer backward times and PS sync times."""
+        self._samples["tf"].append(state.t_forward_end - state.t_start)
+        previous = state.t_forward_end
+        for layer in reversed([g for group in self._groups for g in group]):
+            ready = state.ready_at.get(layer.index, previous)
+            self._samples["tb"].setdefault(layer.index, []).append(max(0.0, ready - previous))
+            previous = max(previous, ready)
+        for label, scheme, _, start, end in state.spans:
+            if scheme is Scheme.PS and end:
+                group = next(g for g in self._groups if (g[0].name if len(g) == 1 else f"{g[-1].name}..{g[0].name}") == label)
+                self._samples["ps"].append((sum(p.numel() * p.element_size() for layer in group for _, p in layer.params), end - start))
+
+    def _comm_model(self) -> CommModel:
+        """PS message time: start-up from the ring calibration, per-byte cost refit from observed syncs."""
+        shards = self.ps_config.shards_for(self.world)
+        one_way = fit(*zip(*self._calibration)) if len(self._calibration) >= 2 else CommModel(0.0, 0.0)
+        # A PS sync is a push and a reply: two start-ups; its bytes cross the busiest link
+        # (P1 + P2 - 2) / P2 times over, in each direction (ATC'17 Table 1, per node).
+        a = 2 * one_way.a
+        b = one_way.b * (self.world + shards - 2) / shards
+        observed = [(p, d - a) for p, d in self._samples["ps"] if p > 0]
+        if observed:
+            b = max(b, sum(p * d for p, d in observed) / sum(p * p for p, _ in observed))
+        return CommModel(a, b)
+
+    async def _replan(self) -> None:
+        """Rank 0 plans from its measurements; every rank adopts the plan after checking its hash."""
+        ps_layers = [g for group in self._groups for g in group]
+        if self.rank == 0:
+            median = lambda xs: float(np.median(xs)) if xs else 0.0  # noqa: E731
+            model = self._comm_model()
+            t_b = [median(self._samples["tb"].get(layer.index, [])) for layer in ps_layers]
+            sizes = [sum(p.numel() * p.element_size() for _, p in layer.params) for layer in ps_layers]
+            planner = optimal_plan if self.merge == "optimal" else merge_plan
+            plan = planner(median(self._samples["tf"]), t_b, sizes, model)
+            info = {
+                "groups": [[ps_layers[i - 1].name for i in group] for group in plan.groups],
+                "alpha_s": model.a, "beta_s_per_byte": model.b, "planner": self.merge,
+                "predicted_s": {"plan": plan.t_iter, "wfbp": plan.t_iter_wfbp, "single": plan.t_iter_single},
+            }
+            await self._rdzv.publish(f"merge-plan/{self._generation}", json.dumps(info))
+        text = await self._rdzv.read(f"merge-plan/{self._generation}", who="rank 0")
+        await self._rdzv.check_digest(f"merge plan {self._generation}", text)
+        info = json.loads(text)
+        by_name = {layer.name: layer for layer in ps_layers}
+        # Layers 1..L run from the input: group members are listed input side first; keep the
+        # manifest's (model) order inside each group.
+        groups = [sorted((by_name[n] for n in group), key=lambda x: x.index) for group in info["groups"]]
+        while self._inflight:
+            await self._apply(self._inflight.pop(0))
+        if self._node is not None:
+            self.bytes_total["ps"] = self.bytes_total.get("ps", 0) + self._shard_bytes_delta()
+            await self._node.close()
+        self._generation += 1
+        self._set_groups(groups)
+        await self._start_ps()
+        self.merge_info = info
+        log.info("rank %d: merge plan %s", self.rank, info["groups"])
 
     def _measure_rows(self, batch) -> dict:
         for cap in self._captures.values():
@@ -489,6 +652,6 @@ class Trainer:
         pid = self.rank
         ev = self.trace_events
         ev.append({"name": f"forward+backward {state.clock}", "ph": "X", "pid": pid, "tid": "compute", "ts": us(state.t_start), "dur": us(state.t_compute_end) - us(state.t_start)})
-        for layer, scheme, ready, start, end in state.spans:
-            ev.append({"name": f"{layer.name} ready", "ph": "i", "s": "t", "pid": pid, "tid": "compute", "ts": us(ready)})
-            ev.append({"name": f"sync {layer.name} ({scheme.value})", "ph": "X", "pid": pid, "tid": f"sync {scheme.value}", "ts": us(start), "dur": us(end or done) - us(start), "args": {"clock": state.clock}})
+        for label, scheme, ready, start, end in state.spans:
+            ev.append({"name": f"{label} ready", "ph": "i", "s": "t", "pid": pid, "tid": "compute", "ts": us(ready)})
+            ev.append({"name": f"sync {label} ({scheme.value})", "ph": "X", "pid": pid, "tid": f"sync {scheme.value}", "ts": us(start), "dur": us(end or done) - us(start), "args": {"clock": state.clock}})
