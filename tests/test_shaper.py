@@ -85,20 +85,13 @@ def test_invalid_bucket_is_a_config_error(rate, burst):
         TokenBucket(rate=rate, burst=burst)
 
 
-async def test_message_lane_serializes_start_up_costs_by_priority():
-    import time
-
-    from poseidon_aio.net import MessageLane
-
-    lane = MessageLane(0.02)
-    order = []
-
-    async def frame(name, priority):
-        await lane.acquire(priority)
-        order.append(name)
-
-    started = time.monotonic()
-    await asyncio.gather(frame("a", 5), frame("b", 5), frame("first", 0))
-    elapsed = time.monotonic() - started
-    assert order == ["first", "a", "b"]  # all three queued before the lane opened: priority first
-    assert elapsed >= 3 * 0.02 * 0.9  # three frames, three start-ups, one after another
+def test_message_cost_is_link_time_serialized_with_the_bytes():
+    clock = FakeClock()
+    bucket = TokenBucket(rate=1e6, burst=1, clock=clock, message_cost=1e-3, costed_kinds={"push"})
+    assert bucket.cost_of(500, "push") == 1500 and bucket.cost_of(500, "reply") == 500
+    waits = []
+    for _ in range(3):
+        waits.append(bucket.reserve(bucket.cost_of(1000, "push")))
+        clock.now += waits[-1]
+    # Each push holds the link 1 ms of start-up plus 1 ms of bytes: 2 ms apart, never overlapping.
+    assert clock.now == pytest.approx(3 * 2e-3, rel=1e-3)

@@ -12,7 +12,8 @@ it puts a 400 MB FC weight on one shard.
 
 Messages: what travels in one frame. A message carries keys of one shard, packed in key order up
 to ``chunk_bytes``; by default every parameter is its own group, so a message is one key. Groups
-of several parameters (the MG-WFBP merge plan) pack their small keys into fewer messages.
+of several parameters (the MG-WFBP merge plan) pack their small keys into fewer messages: those
+keys are placed on one shard together (up to a chunk per shard), so merging really saves frames.
 """
 
 from __future__ import annotations
@@ -93,11 +94,12 @@ class InformationBook:
         self.shards = shards
         self.chunk_bytes = chunk_bytes
         self.placement = placement
+        self.groups = self._groups(groups)
+        self._group_index = {p: g for g, params in enumerate(self.groups) if len(params) > 1 for p in params}
         self.pairs = self._partition()
         self._by_param: dict = {}
         for pair in self.pairs:
             self._by_param.setdefault(pair.param, []).append(pair)
-        self.groups = self._groups(groups)
         self.messages = self._messages()
         self._message_of_key = {k: m for m in self.messages for k in m.keys}
         self._digest = hashlib.sha256(self._canonical().encode()).hexdigest()
@@ -120,12 +122,31 @@ class InformationBook:
         if self.placement == "tensor":
             shard_of = [i % self.shards for i in range(len(cuts))]
         else:
+            # Placement units: the small keys of a merge group, packed in key order up to a chunk,
+            # go to one shard together, so a merged group of small layers is one message, not one
+            # per shard; every other key is a unit of its own. LPT over the units.
+            units, current, size, owner = [], [], 0, None
+            for key, (param, _, _, nbytes) in enumerate(cuts):
+                group = self._group_index.get(param, ("solo", param))
+                small = nbytes < self.chunk_bytes
+                if current and (not small or group != owner or size + nbytes > self.chunk_bytes):
+                    units.append((current, size))
+                    current, size = [], 0
+                if not small:
+                    units.append(([key], nbytes))
+                    continue
+                current.append(key)
+                size += nbytes
+                owner = group
+            if current:
+                units.append((current, size))
             shard_of = [0] * len(cuts)
             load = [(0, s) for s in range(self.shards)]
-            for key in sorted(range(len(cuts)), key=lambda k: (-cuts[k][3], k)):
+            for keys, nbytes in sorted(units, key=lambda u: (-u[1], u[0][0])):
                 used, shard = heapq.heappop(load)
-                shard_of[key] = shard
-                heapq.heappush(load, (used + cuts[key][3], shard))
+                for key in keys:
+                    shard_of[key] = shard
+                heapq.heappush(load, (used + nbytes, shard))
         return tuple(KVPair(k, p, o, n, b, shard_of[k]) for k, (p, o, n, b) in enumerate(cuts))
 
     def _groups(self, groups: Optional[Sequence[Sequence[str]]]) -> tuple:

@@ -9,7 +9,7 @@ from .endpoint import Endpoint
 from .handshake import PROTOCOL_VERSION, Role
 from .local import LocalLink
 from .loop import LOOP, new_event_loop, run
-from .shaper import MessageLane, Shaper, ShaperConfig, TokenBucket
+from .shaper import Shaper, ShaperConfig, TokenBucket
 
 __all__ = [
     "LOOP",
@@ -17,7 +17,6 @@ __all__ = [
     "Connection",
     "Endpoint",
     "LocalLink",
-    "MessageLane",
     "ConnectionStats",
     "Listener",
     "NetConfig",

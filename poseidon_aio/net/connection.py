@@ -107,7 +107,6 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         self._closing = False
         own = Shaper.from_config(config.shaper)
         self._egress = [b for b in (own.egress, process_shaper and process_shaper.egress) if b]
-        self._lanes = [x for x in (own.lane, process_shaper and process_shaper.lane) if x]
         self._ingress = [b for b in (own.ingress, process_shaper and process_shaper.ingress) if b]
         self._writelines_copies = _WRITELINES_COPIES and not is_uvloop(self._loop)
 
@@ -164,10 +163,8 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         else:
             parts = frame_parts(kind, payload, rank=self.rank, key=key, clock=clock, dtype=dtype, flags=flags)
         nbytes = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
-        for lane in self._lanes:
-            await lane.acquire(priority)
         for bucket in self._egress:
-            await bucket.acquire(nbytes, priority)
+            await bucket.acquire(bucket.cost_of(nbytes, kind), priority)
         if self._write_paused or self._write_waiters:
             await self._wait_write_turn(priority)
         self._write(parts, nbytes)

@@ -34,19 +34,39 @@ class TokenBucket:
     0.0005
     """
 
-    def __init__(self, rate: float, burst: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        rate: float,
+        burst: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        message_cost: float = 0.0,
+        costed_kinds=None,
+    ) -> None:
         if rate <= 0:
             raise ConfigError(f"shaper rate must be > 0 bytes/s, got {rate}")
         if burst < 1:
             raise ConfigError(f"shaper burst must be >= 1 byte, got {burst}")
+        if message_cost < 0:
+            raise ConfigError(f"message start-up cost must be >= 0 seconds, got {message_cost}")
         self.rate = float(rate)
         self.burst = int(burst)
+        #: seconds of link time every (costed) message pays on top of its bytes: the alpha of
+        #: ``alpha + beta p``, serialized with the bytes as on a real link
+        self.message_cost = message_cost
+        self.costed_kinds = frozenset(costed_kinds) if costed_kinds is not None else None
         self._clock = clock
         self._tokens = float(burst)
         self._stamp = clock()
         self._waiters: list = []
         self._seq = itertools.count()
         self._timer: Optional[asyncio.TimerHandle] = None
+
+    def cost_of(self, nbytes: int, kind=None) -> float:
+        """Tokens a frame of ``nbytes`` (of ``kind``) takes: its bytes plus its start-up as link time."""
+        if self.message_cost and (self.costed_kinds is None or kind in self.costed_kinds):
+            return nbytes + self.message_cost * self.rate
+        return nbytes
 
     def _refill(self) -> float:
         now = self._clock()
@@ -102,51 +122,12 @@ class TokenBucket:
         return sum(1 for w in self._waiters if not w[2].done())
 
 
-class MessageLane:
-    """A per-message start-up cost, paid one message after another (the alpha of ``alpha + beta p``).
-
-    Every frame holds the lane for ``cost`` seconds before it may go; frames wait in priority
-    order. The bench uses it to apply a network's measured start-up time in user space (netem is
-    not available): with it, ten small messages cost ten alphas, one merged message one.
-    """
-
-    def __init__(self, cost: float) -> None:
-        if cost < 0:
-            raise ConfigError(f"message start-up cost must be >= 0 seconds, got {cost}")
-        self.cost = cost
-        self._free_at = 0.0
-        self._waiters: list = []
-        self._seq = itertools.count()
-        self._busy = False
-
-    async def acquire(self, priority: int = 0) -> None:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        heapq.heappush(self._waiters, (priority, next(self._seq), fut))
-        if not self._busy:
-            self._busy = True
-            loop.call_soon(self._release, loop)
-        await fut
-
-    def _release(self, loop: asyncio.AbstractEventLoop) -> None:
-        while self._waiters:
-            _, _, fut = heapq.heappop(self._waiters)
-            if not fut.done():
-                loop.call_later(self.cost, self._grant, loop, fut)
-                return
-        self._busy = False
-
-    def _grant(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:
-        if not fut.done():
-            fut.set_result(None)
-        self._release(loop)
-
-
 @dataclass
 class ShaperConfig:
     """Rates in bytes per second; ``None`` means unlimited. Burst defaults to 256 KiB.
 
-    ``message_cost``: seconds of start-up every data frame pays, serialized (see MessageLane).
+    ``message_cost``: seconds of link time every data frame pays before its bytes (needs
+    ``egress_rate``): a network's per-message start-up, emulated in user space.
     """
 
     egress_rate: Optional[float] = None
@@ -161,6 +142,8 @@ class ShaperConfig:
                 raise ConfigError(f"ShaperConfig.{name} must be > 0 bytes/s or None, got {value}")
         if self.burst < 1:
             raise ConfigError(f"ShaperConfig.burst must be >= 1, got {self.burst}")
+        if self.message_cost and not self.egress_rate:
+            raise ConfigError("ShaperConfig.message_cost is link time: it needs egress_rate")
 
 
 class Shaper:
@@ -170,20 +153,14 @@ class Shaper:
     125000000.0
     """
 
-    def __init__(
-        self,
-        egress: Optional[TokenBucket] = None,
-        ingress: Optional[TokenBucket] = None,
-        lane: Optional[MessageLane] = None,
-    ) -> None:
+    def __init__(self, egress: Optional[TokenBucket] = None, ingress: Optional[TokenBucket] = None) -> None:
         self.egress = egress
         self.ingress = ingress
-        self.lane = lane
 
     @classmethod
     def from_config(cls, config: ShaperConfig) -> "Shaper":
         def bucket(rate):
             return TokenBucket(rate, config.burst) if rate else None
 
-        lane = MessageLane(config.message_cost) if config.message_cost else None
-        return cls(bucket(config.egress_rate), bucket(config.ingress_rate), lane)
+        egress = TokenBucket(config.egress_rate, config.burst, message_cost=config.message_cost) if config.egress_rate else None
+        return cls(egress, bucket(config.ingress_rate))

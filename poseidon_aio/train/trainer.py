@@ -17,8 +17,8 @@ Modes:
 * ``poseidon``: WFBP + HybComm: fully-connected layers by SFB where the cost model says it moves
   fewer bytes (ATC'17 Algorithm 1), the rest by PS, merged as in ``mgwfbp``.
 
-Merging (../shared/papers/mg-wfbp.md): at start-up the ranks time messages of 4 KiB to 4 MiB
-around a ring and fit ``T(p) = a + b p``; the first ``merge_after`` steps measure every layer's
+Merging (../shared/papers/mg-wfbp.md): at start-up the ranks time push/reply round trips of 4 KiB
+to 4 MiB around a ring and fit ``T(p) = a + b p``; the first ``merge_after`` steps measure every layer's
 backward time on the compute thread and every PS sync; rank 0 then plans (Algorithm 1, or the
 exact dynamic program with ``merge="optimal"``), publishes the plan, every rank checks its hash,
 and the parameter server is rebuilt with one message per merged group and shard.
@@ -554,7 +554,8 @@ class Trainer:
         self._shard_bytes_seen = 0
 
     async def _calibrate(self) -> list:
-        """Time messages of each calibration size around the ring of ranks: ``[(bytes, seconds)]``."""
+        """Round trips around the ring of ranks, shaped like a parameter-server sync (a PUSH out,
+        an AGGREGATE of the same size back): ``[(bytes, seconds)]`` per calibration size."""
         peers = self._mesh.peers
         nxt, prv = peers[(self.rank + 1) % self.world], peers[(self.rank - 1) % self.world]
         samples = []
@@ -562,13 +563,16 @@ class Trainer:
             payload = np.zeros(size, dtype=np.uint8)
             for rep in range(3):
                 clock = 1_000_000 + 10 * i + rep
-                wait = prv.expect(Kind.CONTROL, 7, clock)
+                back = nxt.expect(Kind.AGGREGATE, 7, clock)
+                incoming = prv.expect(Kind.PUSH, 7, clock)
                 started = time.perf_counter()
-                await nxt.send(Kind.CONTROL, payload, key=7, clock=clock)
+                await nxt.send(Kind.PUSH, payload, key=7, clock=clock)
                 try:
-                    await asyncio.wait_for(wait, self.ps_config.sync_timeout)
+                    await asyncio.wait_for(incoming, self.ps_config.sync_timeout)
+                    await prv.send(Kind.AGGREGATE, payload, key=7, clock=clock)
+                    await asyncio.wait_for(back, self.ps_config.sync_timeout)
                 except TimeoutError:
-                    raise SyncTimeout(f"rank {self.rank}: calibration message of {size} bytes from rank {prv.peer_rank} did not arrive") from None
+                    raise SyncTimeout(f"rank {self.rank}: a calibration message of {size} bytes did not come back from rank {nxt.peer_rank}") from None
                 samples.append((size, time.perf_counter() - started))
         return samples
 
@@ -580,22 +584,30 @@ class Trainer:
             ready = state.ready_at.get(layer.index, previous)
             self._samples["tb"].setdefault(layer.index, []).append(max(0.0, ready - previous))
             previous = max(previous, ready)
-        for label, scheme, _, start, end in state.spans:
-            if scheme is Scheme.PS and end:
-                group = next(g for g in self._groups if (g[0].name if len(g) == 1 else f"{g[-1].name}..{g[0].name}") == label)
-                self._samples["ps"].append((sum(p.numel() * p.element_size() for layer in group for _, p in layer.params), end - start))
+        # The PS link's busy time: the union of this step's sync intervals (syncs overlap and queue
+        # behind one another, so their own durations would count the same second several times).
+        spans = sorted((start, end) for _, scheme, _, start, end in state.spans if scheme is Scheme.PS and end)
+        busy, reach = 0.0, float("-inf")
+        for start, end in spans:
+            busy += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        nbytes = sum(p.numel() * p.element_size() for group in self._groups for layer in group for _, p in layer.params)
+        self._samples["ps"].append((len(spans), nbytes, busy))
 
     def _comm_model(self) -> CommModel:
         """PS message time: start-up from the ring calibration, per-byte cost refit from observed syncs."""
         shards = self.ps_config.shards_for(self.world)
-        one_way = fit(*zip(*self._calibration)) if len(self._calibration) >= 2 else CommModel(0.0, 0.0)
-        # A PS sync is a push and a reply: two start-ups; its bytes cross the busiest link
-        # (P1 + P2 - 2) / P2 times over, in each direction (ATC'17 Table 1, per node).
-        a = 2 * one_way.a
-        b = one_way.b * (self.world + shards - 2) / shards
-        observed = [(p, d - a) for p, d in self._samples["ps"] if p > 0]
-        if observed:
-            b = max(b, sum(p * d for p, d in observed) / sum(p * p for p, _ in observed))
+        round_trip = fit(*zip(*self._calibration)) if len(self._calibration) >= 2 else CommModel(0.0, 0.0)
+        # A PS sync is a push and a reply, like the calibration's round trip: its start-up is the
+        # round trip's; its bytes cross the busiest link (P1 + P2 - 2) / P2 times over in each
+        # direction (ATC'17 Table 1, per node), the round trip's once.
+        a = round_trip.a
+        b = round_trip.b / 2 * (self.world + shards - 2) / shards
+        # Refit the per-byte cost from training's own transfers: under the model, a step's busy
+        # time is n * a + b * bytes.
+        steps = [(n, nbytes, busy) for n, nbytes, busy in self._samples["ps"] if nbytes]
+        if steps:
+            b = max(0.0, sum(busy - n * a for n, _, busy in steps) / sum(nbytes for _, nbytes, _ in steps))
         return CommModel(a, b)
 
     async def _replan(self) -> None:
