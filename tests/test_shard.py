@@ -123,3 +123,27 @@ async def test_malformed_pushes_end_the_connection_with_the_reason(push, match):
     for c in clients:
         await c.close()
     await shard.close()
+
+
+async def test_adaptive_deadline_learns_from_arrival_spread():
+    import time
+
+    book = InformationBook(Manifest([ParamSpec("w", (16,))]), workers=3, shards=1)
+    policy = StragglerPolicy(deadline="adaptive", quorum=2, factor=3.0, min_deadline=0.05, max_deadline=5.0)
+    shard, clients = await shard_with_workers(3, book, PSConfig(stragglers=policy))
+    grads = np.ones(16, dtype=np.float32)
+    for clock in range(4):  # everyone prompt: the spread it learns is milliseconds
+        waits = [c.expect(Kind.AGGREGATE, 0, clock) for c in clients]
+        for c in clients:
+            await c.send(Kind.PUSH, grads, key=0, clock=clock, dtype=DType.FLOAT32)
+        await asyncio.gather(*waits)
+    assert shard.stats.dropped == {}
+    started = time.monotonic()
+    wait = clients[0].expect(Kind.AGGREGATE, 0, 4)
+    for c in clients[:2]:  # rank 2 never comes
+        await c.send(Kind.PUSH, grads, key=0, clock=4, dtype=DType.FLOAT32)
+    await wait
+    assert 0.045 <= time.monotonic() - started < 1.0 and shard.stats.dropped == {2: 1}
+    for c in clients:
+        await c.close()
+    await shard.close()

@@ -20,6 +20,7 @@ RUNS = [
     ("mgwfbp", "mgwfbp", None),
     ("poseidon", "poseidon", None),
     ("again", "poseidon", None),
+    ("adam", "poseidon", "adam-first-linear"),
 ]
 
 specs = st.one_of(
@@ -127,3 +128,15 @@ def json_groups(groups) -> str:
     import json
 
     return json.dumps(groups)
+
+
+def test_the_bandwidth_budget_paces_every_step():
+    from .trainworkers import budget_worker
+
+    budget = 1e6  # bytes/s for all of a process's outbound data
+    res = run_workers(2, budget_worker, budget, timeout=120)
+    params, times, moved = res[0]
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(params, res[1][0]))
+    for step_s, nbytes in zip(times[1:], moved[1:]):
+        # Sent and received are equal for two co-located shards: half of what moved went out.
+        assert step_s >= (nbytes / 2 - 256 * 1024) / budget * 0.9

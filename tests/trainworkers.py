@@ -65,6 +65,8 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
         out = {}
         for label, mode, overrides in runs:
             model = build_model(spec, seed + (rank if label == "skewed" else 0))
+            if overrides == "adam-first-linear":
+                overrides = {next(n for n, m in model.named_modules() if isinstance(m, nn.Linear)): "adam"}
             opt = make_optimizer(model)
             merging = {"merge_after": 1, "calibration_sizes": (4096, 65536)} if mode in ("mgwfbp", "poseidon") else {}
             trainer = poseidon_aio.Trainer(
@@ -200,5 +202,23 @@ def merge_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
             out[label] = {"params": [p.detach().numpy().copy() for p in model.parameters()], "groups": groups, "info": trainer.merge_info}
         await rdzv.leave()
         return out
+
+    return poseidon_aio.run(main())
+
+
+def budget_worker(rank: int, bandwidth: float):
+    """A trainer under the bandwidth manager's per-process budget."""
+    import poseidon_aio
+
+    torch.set_num_threads(1)
+    spec = {"kind": "mlp", "inputs": 64, "hidden": [256], "classes": 4}
+    model = build_model(spec, 1)
+
+    async def main():
+        steps = []
+        async with poseidon_aio.Trainer(model, make_optimizer(model), nn.functional.cross_entropy, mode="wfbp", bandwidth=bandwidth) as trainer:
+            for t in range(3):
+                steps.append(await trainer.step(batch(spec, 1, rank, t, 4)))
+        return [p.detach().numpy().copy() for p in model.parameters()], [s.step_s for s in steps], [s.bytes["ps"] for s in steps]
 
     return poseidon_aio.run(main())

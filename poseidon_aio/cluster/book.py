@@ -66,6 +66,9 @@ class InformationBook:
             parameters in no group form a group of their own.
         placement: ``"balanced"`` (LPT over ~2 MiB pairs, the default) or ``"tensor"`` (one
             whole tensor per shard, round robin: stock TensorFlow's placement, for comparison).
+        factored: fully-connected layers synced by the Project-Adam scheme, ``[weight, bias]``
+            names each: their keys all live on one shard, which rebuilds the matrix from the
+            workers' sufficient factors (a FACTORS frame keyed by the layer's first message).
 
     >>> from poseidon_aio.cluster.manifest import ParamSpec
     >>> book = InformationBook(Manifest([ParamSpec("w", (1024, 1024))]), workers=2, shards=2)
@@ -82,6 +85,7 @@ class InformationBook:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         groups: Optional[Sequence[Sequence[str]]] = None,
         placement: str = "balanced",
+        factored: Optional[Sequence[Sequence[str]]] = None,
     ) -> None:
         if workers < 1 or shards < 1:
             raise ConfigError(f"need at least one worker and one shard, got {workers} and {shards}")
@@ -94,8 +98,14 @@ class InformationBook:
         self.shards = shards
         self.chunk_bytes = chunk_bytes
         self.placement = placement
-        self.groups = self._groups(groups)
+        self.factored = tuple(tuple(self.manifest.index(n) for n in layer) for layer in (factored or ()))
+        for layer in self.factored:
+            w = self.manifest[layer[0]]
+            if len(w.shape) != 2 or w.dtype != "float32" or (len(layer) == 2 and self.manifest[layer[1]].shape != (w.shape[0],)):
+                raise ConfigError(f"factored layer {[self.manifest[i].name for i in layer]} must be a float32 MxN weight and an M bias")
+        self.groups = self._groups(list(groups or ()) + [[self.manifest[i].name for i in layer] for layer in self.factored])
         self._group_index = {p: g for g, params in enumerate(self.groups) if len(params) > 1 for p in params}
+        self._whole = {p for layer in self.factored for p in layer}
         self.pairs = self._partition()
         self._by_param: dict = {}
         for pair in self.pairs:
@@ -128,7 +138,12 @@ class InformationBook:
             units, current, size, owner = [], [], 0, None
             for key, (param, _, _, nbytes) in enumerate(cuts):
                 group = self._group_index.get(param, ("solo", param))
-                small = nbytes < self.chunk_bytes
+                # A factored layer is one unit, whatever its size: one shard rebuilds it.
+                small = nbytes < self.chunk_bytes or param in self._whole
+                if param in self._whole and current and group == owner:
+                    current.append(key)
+                    size += nbytes
+                    continue
                 if current and (not small or group != owner or size + nbytes > self.chunk_bytes):
                     units.append((current, size))
                     current, size = [], 0
@@ -232,6 +247,14 @@ class InformationBook:
         """Messages that carry any key of the given parameters (a layer or a bucket)."""
         wanted = set(indices)
         return tuple(m for m in self.messages if any(self.pairs[k].param in wanted for k in m.keys))
+
+    def factored_layer(self, message_id: int) -> Optional[tuple]:
+        """``(param indices, messages)`` of the factored layer whose first message is ``message_id``."""
+        for layer in self.factored:
+            messages = self.messages_of_params(layer)
+            if messages and messages[0].id == message_id:
+                return layer, messages
+        return None
 
     def shard_bytes(self) -> list:
         load = [0] * self.shards

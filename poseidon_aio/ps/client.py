@@ -113,6 +113,49 @@ class PSClient:
         flat_o = [self._checked(params[i], out[i]) for i in range(len(params))]
         return asyncio.ensure_future(self._push(messages, index, flat_g, flat_o, clock, priority))
 
+    def push_factors(self, params: Sequence[int], u: np.ndarray, v: np.ndarray, out: Sequence[np.ndarray], clock: int, priority: int = 0) -> asyncio.Task:
+        """The Project-Adam scheme: send a fully-connected layer's sufficient factors (u: K×M output
+        gradient rows, v: K×N input rows) to the shard that holds it; it rebuilds the mean gradient
+        and every worker pulls the full matrices (into ``out``: weight, then bias).
+
+        Raises:
+            LocalProtocolError: ``params`` is not a layer the information book lists as factored.
+        """
+        layer = tuple(params)
+        if layer not in self.book.factored:
+            raise LocalProtocolError(f"parameters {list(params)} are not a factored (Project-Adam) layer of the information book")
+        flat_o = [self._checked(params[i], out[i]) for i in range(len(params))]
+        return asyncio.ensure_future(self._push_factors(layer, u, v, flat_o, clock, priority))
+
+    async def _push_factors(self, layer: tuple, u: np.ndarray, v: np.ndarray, flat_o: list, clock: int, priority: int) -> PushResult:
+        messages = self.book.messages_of_params(layer)
+        index = {p: i for i, p in enumerate(layer)}
+        conn = self._conns[messages[0].shard]
+        waits, scatter = [], []
+        for m in messages:
+            outs = self._slices(m, flat_o, index)
+            into = outs[0] if len(outs) == 1 else np.empty(sum(o.size for o in outs), dtype=outs[0].dtype)
+            if len(outs) > 1:
+                scatter.append((into, outs))
+            waits.append(conn.expect(Kind.AGGREGATE, m.id, clock, into=into))
+        sent = u.nbytes + v.nbytes
+        try:
+            await self._bounded(conn.send(Kind.FACTORS, [u, v], key=messages[0].id, clock=clock, dtype=WIRE_DTYPE["float32"], priority=priority), f"sending factors at clock {clock}", messages, clock)
+            await self._bounded(asyncio.gather(*waits), f"the rebuilt matrices for clock {clock}", messages, clock)
+        except BaseException:
+            for fut in waits:
+                fut.cancel()
+            raise
+        for into, outs in scatter:
+            offset = 0
+            for o in outs:
+                o[:] = into[offset : offset + o.size]
+                offset += o.size
+        self._count(clock, len(messages))
+        received = sum(m.nbytes for m in messages)
+        remote = not conn.is_local
+        return PushResult(clock, len(messages), sent, received, [], sent if remote else 0, received if remote else 0)
+
     def _slices(self, m: Message, flat: list, index: dict) -> list:
         """Views of the key-value pairs of message ``m`` in the flattened arrays."""
         out = []

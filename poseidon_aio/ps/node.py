@@ -78,6 +78,7 @@ class PSNode:
         self._rdzv: Rendezvous
         self._listener = None
         self._shaper = None
+        self._factored: list = []
 
     @classmethod
     async def start(
@@ -91,6 +92,7 @@ class PSNode:
         start_clock: int = 0,
         rendezvous: Optional[Rendezvous] = None,
         process_shaper=None,
+        factored: Optional[Sequence[Sequence[str]]] = None,
     ) -> "PSNode":
         """Join the job and return a ready node.
 
@@ -107,6 +109,8 @@ class PSNode:
                 several nodes over one store); by default the node opens its own.
             process_shaper: a :class:`~poseidon_aio.net.Shaper` every connection of this
                 process shares (the bandwidth manager's budget).
+            factored: fully-connected layers (``[weight, bias]`` names) synced by the
+                Project-Adam scheme (:meth:`PSClient.push_factors`).
         Raises:
             ConfigError, ManifestMismatch, PeerTimeout, CheckpointError: start-up failed.
         """
@@ -121,6 +125,7 @@ class PSNode:
             await self._rdzv.start()
         self.rank = self.env.rank
         self._shaper = process_shaper
+        self._factored = [list(f) for f in factored or ()]
         try:
             await self._join(manifest, net, groups, start_clock)
         except BaseException:
@@ -131,7 +136,7 @@ class PSNode:
     async def _join(self, manifest, net, groups, start_clock) -> None:
         rdzv, env, config = self._rdzv, self.env, self.config
         if env.rank == 0:
-            setup = {"config": config.to_json(), "groups": [list(g) for g in groups or ()]}
+            setup = {"config": config.to_json(), "groups": [list(g) for g in groups or ()], "factored": self._factored}
             await rdzv.publish("ps-setup", json.dumps(setup))
             if net is None:
                 await rdzv.publish("token", os.urandom(32).hex())
@@ -141,7 +146,8 @@ class PSNode:
         workers = env.world_size
         shards = config.shards_for(workers)
         self.book = InformationBook(
-            manifest, workers=workers, shards=shards, chunk_bytes=config.chunk_bytes, groups=groups, placement=config.placement
+            manifest, workers=workers, shards=shards, chunk_bytes=config.chunk_bytes, groups=groups,
+            placement=config.placement, factored=self._factored,
         )
         await rdzv.check_digest("information book", self.book.digest())
         index = None if config.standalone_shards or env.rank >= shards else env.rank

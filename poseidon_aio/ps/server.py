@@ -50,7 +50,7 @@ async def serve_shard(index: int, *, master_addr: str, master_port: int, workers
     manifest = Manifest.from_json(await rdzv.read("manifest/0", who="rank 0"))
     book = InformationBook(
         manifest, workers=workers, shards=config.shards, chunk_bytes=config.chunk_bytes,
-        groups=setup["groups"] or None, placement=config.placement,
+        groups=setup["groups"] or None, placement=config.placement, factored=setup.get("factored") or None,
     )
     theirs = await rdzv.read("digest/information book/0", who="rank 0")
     if theirs != book.digest():

@@ -139,6 +139,12 @@ class KVShard:
         self._pending: dict = {}
         self._free_slots: dict = {}
         self._replies = _ReplyBuffers()
+        self._factors: dict = {}
+        self._factored = {}
+        for layer in book.factored:
+            found = book.factored_layer(book.messages_of_params(layer)[0].id)
+            if found and found[1][0].shard == index:
+                self._factored[found[1][0].id] = found
         self._finalized = {mid: start_clock - 1 for mid in self._messages}
         self._busy: set = set()
         self._params: dict = {}
@@ -257,6 +263,8 @@ class KVShard:
             self._on_pull(conn.peer_rank, frame)
         elif kind is Kind.PARAMS:
             self._on_initial_params(conn.peer_rank, frame)
+        elif kind is Kind.FACTORS:
+            self._on_factors(conn.peer_rank, frame, conn.is_local)
         else:
             raise RemoteProtocolError(f"shard {self.index} got an unexpected {kind.name} frame from rank {conn.peer_rank}")
 
@@ -332,6 +340,57 @@ class KVShard:
         )
         for r in p.have:
             self._send(r, [self._notice("stalled", message=mid, clock=clock, waiting_for=missing, waited=round(waited, 1))])
+
+    # -- the Project-Adam scheme: factors in, full matrices out -----------------------------
+
+    def _on_factors(self, rank: int, frame: Frame, local: bool) -> None:
+        layer = self._factored.get(frame.key)
+        if layer is None:
+            raise RemoteProtocolError(
+                f"rank {rank} sent factors for message {frame.key} at clock {frame.clock} to shard {self.index}, "
+                "which rebuilds no layer there: the ranks' information books differ"
+            )
+        params, messages = layer
+        m, n = self.book.manifest[params[0]].shape
+        floats = frame.header.length // 4
+        if frame.header.dtype is not DType.FLOAT32 or floats % (m + n):
+            raise RemoteProtocolError(
+                f"rank {rank} sent {frame.header.length} bytes of factors for {self.book.manifest[params[0]].name} "
+                f"({m}x{n}) at clock {frame.clock}: not K rows of {m}+{n} float32"
+            )
+        if not local:
+            self.stats.remote_bytes_in += frame.header.length
+        self.stats.bytes_in += frame.header.length
+        k = floats // (m + n)
+        arr = np.frombuffer(frame.payload, dtype=np.float32)
+        got = self._factors.setdefault((frame.key, frame.clock), {})
+        if rank in got:
+            raise RemoteProtocolError(f"rank {rank} sent factors for message {frame.key} twice at clock {frame.clock}")
+        got[rank] = (arr[: k * m].reshape(k, m).copy(), arr[k * m :].reshape(k, n).copy())
+        if len(got) == self.workers:
+            del self._factors[(frame.key, frame.clock)]
+            self._track(self._rebuild(params, messages, frame.clock, got))
+
+    async def _rebuild(self, params: tuple, messages: tuple, clock: int, got: dict) -> None:
+        """Sum u_p^T v_p in rank order with one GEMM, then reply every message of the layer."""
+        us = np.concatenate([got[r][0] for r in range(self.workers)])
+        vs = np.concatenate([got[r][1] for r in range(self.workers)])
+
+        def gemm():
+            scale = np.float32(1.0 / self.workers)
+            weight = (us.T @ vs) * scale
+            bias = us.sum(axis=0) * scale
+            return [weight.reshape(-1), bias]
+
+        flat = await self._loop.run_in_executor(self._pool, gemm)
+        values = {params[i]: flat[i] for i in range(len(params))}
+        for msg in messages:
+            parts = [values[self.book.pairs[k].param][self.book.pairs[k].offset :][: self.book.pairs[k].numel] for k in msg.keys]
+            payload = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            self._finalized[msg.id] = clock
+            self.stats.finalized += 1
+            for r in range(self.workers):
+                self._send(r, [(Kind.AGGREGATE, payload, msg.id, clock, WIRE_DTYPE[msg.dtype])])
 
     # -- finalize ---------------------------------------------------------------------------
 

@@ -119,7 +119,8 @@ class Trainer:
         ps: parameter-server settings (shards, chunk size, staleness, stragglers).
         net: connection settings; by default rank 0 draws a cluster token and shares it through
             the rendezvous store (see :class:`PSNode`).
-        schemes: per-layer overrides, ``{"head.fc1": "ps" | "sfb"}``.
+        schemes: per-layer overrides, ``{"head.fc1": "ps" | "sfb" | "adam"}`` (``adam``: Project
+            Adam's scheme, factors pushed to the PS and full matrices pulled back, for comparison).
         broadcast_buffers: send rank 0's buffers (BatchNorm statistics) before every forward,
             as ``DistributedDataParallel`` does, so replicas stay identical.
         trace: write a Chrome trace (JSON) of every step's compute and layer syncs there on close.
@@ -207,6 +208,7 @@ class Trainer:
         self._ready: dict = {}
         self._ps_index: dict = {}
         self._groups: list = []  # PS layers, grouped: one message per group and shard
+        self._factored: list = []  # [weight, bias] names of the layers synced by Project Adam
         self._group_of: dict = {}
         self._samples = {"tf": [], "tb": {}, "ps": []}
         self._calibration: list = []
@@ -315,7 +317,7 @@ class Trainer:
             hook.enabled = self.schemes[hook.layer.index] is Scheme.PS
         for cap in self._captures.values():
             cap.reset()
-            cap.enabled = self.schemes[cap.layer.index] is Scheme.SFB
+            cap.enabled = self.schemes[cap.layer.index] in (Scheme.SFB, Scheme.ADAM)
         self._state = state
         loss = await self._loop.run_in_executor(self._compute, self._forward_backward, batch)
         state.t_compute_end = time.perf_counter()
@@ -386,6 +388,9 @@ class Trainer:
         if self.schemes[layer.index] is Scheme.SFB:
             self._start(state, layer.name, [layer], Scheme.SFB, self._sfb(state, layer))
             return
+        if self.schemes[layer.index] is Scheme.ADAM:
+            self._start(state, layer.name, [layer], Scheme.ADAM, self._adam(state, layer))
+            return
         g = self._group_of[layer.index]
         group = self._groups[g]
         if g not in state.groups_launched and all(member.index in state.launched for member in group):
@@ -410,6 +415,16 @@ class Trainer:
         result = await self._node.client.push(ids, grads, outs, state.clock, priority)
         state.bytes["ps"] += result.remote_bytes_sent + result.remote_bytes_received
         state.dropped.update(result.dropped)
+
+    async def _adam(self, state: _Step, layer: Layer) -> None:
+        """Project Adam: factors to the shard holding the layer, the rebuilt full matrices back."""
+        cap = self._captures[layer.index]
+        m, n = layer.module.weight.shape
+        u, v = cap.factors() if cap.captured else (torch.zeros(0, m), torch.zeros(0, n))
+        outs = [state.agg[i].numpy() for i in layer.param_ids]
+        ids = [self._ps_index[i] for i in layer.param_ids]
+        result = await self._node.client.push_factors(ids, u.numpy(), v.numpy(), outs, state.clock, layer.index)
+        state.bytes["adam"] = state.bytes.get("adam", 0) + result.remote_bytes_sent + result.remote_bytes_received
 
     async def _sfb(self, state: _Step, layer: Layer) -> None:
         cap = self._captures[layer.index]
@@ -512,24 +527,27 @@ class Trainer:
             want = self.overrides.get(layer.name)
             if want is not None:
                 scheme = Scheme(want)
-                if scheme is Scheme.SFB and not layer.sfb_capable:
-                    raise ConfigError(f"layer {layer.name} ({type(layer.module).__name__}) cannot go by SFB: only an unshared nn.Linear can")
-                if scheme is Scheme.ADAM:
-                    raise ConfigError("the Project-Adam scheme is in the cost model (poseidon-aio explain) but not in the trainer")
+                if scheme in (Scheme.SFB, Scheme.ADAM) and not (layer.sfb_capable and layer.module.weight.dtype is torch.float32):
+                    raise ConfigError(
+                        f"layer {layer.name} ({type(layer.module).__name__}) cannot go by {scheme.value}: "
+                        "only an unshared float32 nn.Linear has sufficient factors"
+                    )
             elif self.mode == "poseidon" and layer.sfb_capable and layer.module.weight.dtype is torch.float32 and k.get(layer.name):
                 # (a layer the planning forward never called has no K to judge by: PS)
                 scheme = best_scheme(layer.shape(k[layer.name]), self.world, shards)
             else:
                 scheme = Scheme.PS
-            if self.mode != "poseidon" and scheme is Scheme.SFB:
-                raise ConfigError(f"mode {self.mode!r} syncs every layer by PS; use mode='poseidon' for SFB overrides")
+            if self.mode != "poseidon" and scheme is not Scheme.PS:
+                raise ConfigError(f"mode {self.mode!r} syncs every layer by PS; use mode='poseidon' for {scheme.value} overrides")
             self.schemes[layer.index] = scheme
         plan = json.dumps({layer.name: self.schemes[layer.index].value for layer in self.layers})
         await self._rdzv.check_digest("scheme plan", plan)
         ps_layers = [layer for layer in self.layers if self.schemes[layer.index] is Scheme.PS]
-        self._ps_index = {i: j for j, i in enumerate(i for layer in ps_layers for i in layer.param_ids)}
+        on_ps = [layer for layer in self.layers if self.schemes[layer.index] in (Scheme.PS, Scheme.ADAM)]
+        self._ps_index = {i: j for j, i in enumerate(i for layer in on_ps for i in layer.param_ids)}
+        self._factored = [[n for n, _ in layer.params] for layer in on_ps if self.schemes[layer.index] is Scheme.ADAM]
         self._set_groups([[layer] for layer in ps_layers] if self.merge != "single" or not ps_layers else [ps_layers])
-        if ps_layers:
+        if on_ps:
             await self._start_ps()
         self._planned = True
         log.info("rank %d: schemes %s", self.rank, plan)
@@ -550,6 +568,7 @@ class Trainer:
         self._node = await PSNode.start(
             Manifest(specs), self.ps_config, net=self.net, groups=names or None, start_clock=self.clock,
             rendezvous=self._rdzv.scoped(f"ps{self._generation}"), process_shaper=self._shaper,
+            factored=self._factored or None,
         )
         self._shard_bytes_seen = 0
 
