@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+from poseidon_aio.net import new_event_loop
 from poseidon_aio.net.connection import Connection
 from poseidon_aio.net.handshake import Role
 
@@ -121,3 +122,12 @@ async def connected_pair(
     async with asyncio.timeout(10):
         await asyncio.gather(client.wait_ready(), server.wait_ready())
     return client, server
+
+
+def run_async(coro, timeout: float = 30):
+    """Run ``coro`` on a fresh loop under a timeout (for hypothesis tests, which cannot be async)."""
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(asyncio.wait_for(coro, timeout))
+    finally:
+        loop.close()

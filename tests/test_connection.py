@@ -10,19 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from poseidon_aio.errors import ConnectionLost, LocalProtocolError, PeerTimeout
-from poseidon_aio.net import new_event_loop
 from poseidon_aio.wire import DType, Kind
 
-from .memtransport import connected_pair
+from .memtransport import connected_pair, run_async
 from .procs import net_config
-
-
-def run_async(coro):
-    loop = new_event_loop()
-    try:
-        return loop.run_until_complete(asyncio.wait_for(coro, 30))
-    finally:
-        loop.close()
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

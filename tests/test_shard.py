@@ -11,20 +11,11 @@ from hypothesis import strategies as st
 
 from poseidon_aio.cluster import InformationBook, Manifest, ParamSpec
 from poseidon_aio.errors import ConnectionLost
-from poseidon_aio.net import new_event_loop
 from poseidon_aio.ps import KVShard, PSConfig, StragglerPolicy, reduce_mean
 from poseidon_aio.wire import DType, Kind
 
-from .memtransport import connected_pair
+from .memtransport import connected_pair, run_async
 from .procs import net_config
-
-
-def run_async(coro):
-    loop = new_event_loop()
-    try:
-        return loop.run_until_complete(asyncio.wait_for(coro, 30))
-    finally:
-        loop.close()
 
 
 async def shard_with_workers(workers: int, book: InformationBook, config: PSConfig, seed: int = 0):

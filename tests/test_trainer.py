@@ -106,11 +106,14 @@ def test_layer_syncs_overlap_the_backward_in_wfbp_and_not_in_naive(tmp_path):
 
 
 def test_merged_and_unmerged_syncs_give_bitwise_equal_results_and_one_plan_everywhere():
-    from .trainworkers import merge_worker
-
     spec = {"kind": "mlp", "inputs": 12, "hidden": [8, 8, 8, 8], "classes": 3}
-    runs = [("wfbp", "wfbp", None), ("single", "mgwfbp", "single"), ("alg1", "mgwfbp", "algorithm1"), ("optimal", "mgwfbp", "optimal")]
-    res = run_workers(3, merge_worker, spec, 2, runs, 4, 4, timeout=180)
+    runs = [
+        ("wfbp", "wfbp", None),
+        ("single", "mgwfbp", None, "single"),
+        ("alg1", "mgwfbp", None, "algorithm1"),
+        ("optimal", "mgwfbp", None, "optimal"),
+    ]
+    res = run_workers(3, train_worker, spec, 2, runs, 4, 4, {}, timeout=180)
     base = res[0]["wfbp"]["params"]
     for label in ("single", "alg1", "optimal"):
         for r in range(3):
@@ -140,3 +143,13 @@ def test_the_bandwidth_budget_paces_every_step():
     for step_s, nbytes in zip(times[1:], moved[1:]):
         # Sent and received are equal for two co-located shards: half of what moved went out.
         assert step_s >= (nbytes / 2 - 256 * 1024) / budget * 0.9
+
+
+def test_merging_around_a_factored_layer():
+    # Conv, conv, an FC by Project Adam, an FC by PS: the PS layers merge across the Adam one.
+    spec = {"kind": "cnn", "channels": 2, "side": 5, "hidden": [16], "classes": 3}
+    runs = [("wfbp", "wfbp", None), ("merged", "poseidon", {"5": "adam", "7": "ps"}, "single")]
+    res = run_workers(2, train_worker, spec, 4, runs, 3, 4, {}, timeout=120)
+    assert res[0]["merged"]["groups"] == [["0", "2", "7"]]
+    for a, b in zip(res[0]["wfbp"]["params"], res[0]["merged"]["params"]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -63,12 +63,14 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
         rdzv = Rendezvous(ClusterEnv.from_env(), timeout=60)
         await rdzv.start()
         out = {}
-        for label, mode, overrides in runs:
+        for label, mode, overrides, *merge in runs:
             model = build_model(spec, seed + (rank if label == "skewed" else 0))
             if overrides == "adam-first-linear":
                 overrides = {next(n for n, m in model.named_modules() if isinstance(m, nn.Linear)): "adam"}
             opt = make_optimizer(model)
             merging = {"merge_after": 1, "calibration_sizes": (4096, 65536)} if mode in ("mgwfbp", "poseidon") else {}
+            if merge:
+                merging["merge"] = merge[0]
             trainer = poseidon_aio.Trainer(
                 model, opt, nn.functional.cross_entropy, mode=mode, schemes=overrides,
                 ps=PSConfig(**ps_kwargs), rendezvous=rdzv.scoped(label), **merging,
@@ -82,6 +84,8 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
                 "schemes": stats[-1].schemes,
                 "bytes": dict(trainer.bytes_total),
                 "losses": [s.loss for s in stats],
+                "groups": [[layer.name for layer in g] for g in trainer._groups],
+                "info": trainer.merge_info,
             }
         await rdzv.leave()
         return out
@@ -174,34 +178,6 @@ def overlap_worker(rank: int, mode: str, trace_path: str):
         with open(trace_path) as f:
             events = json.load(f)["traceEvents"]
         return [s.overlap_s for s in stats], [s.stall_s for s in stats], events
-
-    return poseidon_aio.run(main())
-
-
-def merge_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size: int):
-    """Like train_worker, with merge settings per run; also returns the merge plan each rank used."""
-    import poseidon_aio
-    from poseidon_aio.cluster import ClusterEnv, Rendezvous
-
-    torch.set_num_threads(1)
-
-    async def main():
-        rdzv = Rendezvous(ClusterEnv.from_env(), timeout=60)
-        await rdzv.start()
-        out = {}
-        for label, mode, merge in runs:
-            model = build_model(spec, seed)
-            trainer = poseidon_aio.Trainer(
-                model, make_optimizer(model), nn.functional.cross_entropy, mode=mode, merge=merge,
-                merge_after=2, rendezvous=rdzv.scoped(label), calibration_sizes=(4096, 65536),
-            )
-            async with trainer:
-                for t in range(steps):
-                    await trainer.step(batch(spec, seed, rank, t, size))
-                groups = [[layer.name for layer in g] for g in trainer._groups]
-            out[label] = {"params": [p.detach().numpy().copy() for p in model.parameters()], "groups": groups, "info": trainer.merge_info}
-        await rdzv.leave()
-        return out
 
     return poseidon_aio.run(main())
 

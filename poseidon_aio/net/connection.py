@@ -40,8 +40,8 @@ from ..errors import (
     PoseidonError,
     RemoteProtocolError,
 )
-from ..wire import DType, Frame, FrameDecoder, Header, Kind, byte_view, encode_frame, encode_header, frame_parts
-from .endpoint import Endpoint, silence
+from ..wire import DType, Frame, FrameDecoder, Header, Kind, encode_frame, encode_header
+from .endpoint import Endpoint, payload_views, silence
 from .config import NetConfig
 from .handshake import HANDSHAKE_MAX_PAYLOAD, PROTOCOL_VERSION, Handshake, Role
 from .loop import is_uvloop
@@ -156,12 +156,9 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         >>> # await conn.send(Kind.PUSH, grad.numpy(), key=3, clock=t, dtype=DType.FLOAT32)
         """
         self._raise_if_closed()
-        if isinstance(payload, (list, tuple)):
-            views = [byte_view(p) for p in payload]
-            length = sum(v.nbytes for v in views)
-            parts = [encode_header(kind, rank=self.rank, key=key, clock=clock, length=length, dtype=dtype, flags=flags), *views]
-        else:
-            parts = frame_parts(kind, payload, rank=self.rank, key=key, clock=clock, dtype=dtype, flags=flags)
+        views = payload_views(payload)
+        length = sum(v.nbytes for v in views)
+        parts = [encode_header(kind, rank=self.rank, key=key, clock=clock, length=length, dtype=dtype, flags=flags), *views]
         nbytes = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
         for bucket in self._egress:
             await bucket.acquire(bucket.cost_of(nbytes, kind), priority)

@@ -26,6 +26,13 @@ def silence(fut: asyncio.Future) -> None:
         fut.exception()
 
 
+def payload_views(payload) -> list:
+    """Flat byte views of a payload given as one buffer or a list of them (gathered, not copied)."""
+    if isinstance(payload, (list, tuple)):
+        return [byte_view(p) for p in payload]
+    return [byte_view(payload)]
+
+
 def moved_into(frame: Frame, into) -> Frame:
     """``frame`` with its payload copied into ``into`` (which must have exactly its size)."""
     view = byte_view(into)

@@ -14,7 +14,7 @@ from typing import Optional
 
 from ..errors import ConnectionLost, LocalProtocolError
 from ..wire import DType, Frame, Header, Kind, byte_view, encode_header
-from .endpoint import Endpoint
+from .endpoint import Endpoint, payload_views
 
 # Same default as NetConfig.inbox_high_water: in-process, nothing pauses, but keep the bound.
 _INBOX_HIGH_WATER = 64 << 20
@@ -65,7 +65,7 @@ class LocalLink(Endpoint):
         """Hand one frame to the peer; its payload is copied before this returns."""
         if self._exc is not None:
             raise self._lost()
-        views = [byte_view(p) for p in payload] if isinstance(payload, (list, tuple)) else [byte_view(payload)]
+        views = payload_views(payload)
         length = sum(v.nbytes for v in views)
         encode_header(kind, rank=self.rank, key=key, clock=clock, length=length, dtype=dtype, flags=flags)  # range checks
         header = Header(Kind(kind), self.rank, key, clock, length, DType(dtype), flags)

@@ -43,6 +43,15 @@ class PushResult:
     remote_bytes_received: int = 0
 
 
+def _scatter(pending: list) -> None:
+    """Copy each staging buffer of a multi-key message back into its keys' slices."""
+    for into, outs in pending:
+        offset = 0
+        for o in outs:
+            o[:] = into[offset : offset + o.size]
+            offset += o.size
+
+
 class PSClient:
     """Push/pull against every shard of the job.
 
@@ -146,11 +155,7 @@ class PSClient:
             for fut in waits:
                 fut.cancel()
             raise
-        for into, outs in scatter:
-            offset = 0
-            for o in outs:
-                o[:] = into[offset : offset + o.size]
-                offset += o.size
+        _scatter(scatter)
         self._count(clock, len(messages))
         received = sum(m.nbytes for m in messages)
         remote = not conn.is_local
@@ -200,11 +205,7 @@ class PSClient:
             for _, fut in waits:
                 fut.cancel()
             raise
-        for into, outs in scatter:
-            offset = 0
-            for o in outs:
-                o[:] = into[offset : offset + o.size]
-                offset += o.size
+        _scatter(scatter)
         self._count(clock, len(messages))
         return PushResult(clock, len(messages), sent, received, sorted(self.dropped.get(clock, ())), remote, remote)
 
@@ -290,11 +291,7 @@ class PSClient:
             waits.append(conn.expect(Kind.PARAMS, m.id, clock, into=into))
             await conn.send(Kind.PULL, b"", key=m.id, clock=clock, dtype=WIRE_DTYPE[m.dtype])
         await self._bounded(asyncio.gather(*waits), f"pulling parameters for clock {clock}", messages, clock)
-        for into, outs in scatter:
-            offset = 0
-            for o in outs:
-                o[:] = into[offset : offset + o.size]
-                offset += o.size
+        _scatter(scatter)
 
     async def broadcast(self, params: Sequence[int], arrays: Sequence[np.ndarray], clock: int, root: int = 0) -> None:
         """Make every worker's ``arrays`` equal to ``root``'s, through the shards.

@@ -543,9 +543,11 @@ class Trainer:
         plan = json.dumps({layer.name: self.schemes[layer.index].value for layer in self.layers})
         await self._rdzv.check_digest("scheme plan", plan)
         ps_layers = [layer for layer in self.layers if self.schemes[layer.index] is Scheme.PS]
-        on_ps = [layer for layer in self.layers if self.schemes[layer.index] in (Scheme.PS, Scheme.ADAM)]
+        adam_layers = [layer for layer in self.layers if self.schemes[layer.index] is Scheme.ADAM]
+        # Plain-PS layers first, so any run of them a merge plan groups is consecutive in the manifest.
+        on_ps = ps_layers + adam_layers
         self._ps_index = {i: j for j, i in enumerate(i for layer in on_ps for i in layer.param_ids)}
-        self._factored = [[n for n, _ in layer.params] for layer in on_ps if self.schemes[layer.index] is Scheme.ADAM]
+        self._factored = [[n for n, _ in layer.params] for layer in adam_layers]
         self._set_groups([[layer] for layer in ps_layers] if self.merge != "single" or not ps_layers else [ps_layers])
         if on_ps:
             await self._start_ps()
