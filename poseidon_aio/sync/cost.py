@@ -108,16 +108,6 @@ def best_scheme(layer: LayerShape, workers: int, servers: int) -> Scheme:
     return Scheme.SFB if cost.sfb <= cost.ps_combined else Scheme.PS
 
 
-def chosen_floats(layer: LayerShape, scheme: Scheme, workers: int, servers: int) -> float:
-    """Floats a worker + co-located server node moves for ``layer`` under ``scheme``."""
-    cost = layer_cost(layer, workers, servers)
-    if scheme is Scheme.SFB:
-        return cost.sfb
-    if scheme is Scheme.ADAM:
-        return cost.adam
-    return cost.ps_combined
-
-
 def layers_of_manifest(specs, rows: Optional[int] = None) -> list:
     """Cost-model layers from a shapes-only manifest (``cluster.models``): 2-D ``.weight`` is FC."""
     out, by_prefix = [], {}
