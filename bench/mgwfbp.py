@@ -27,9 +27,10 @@ import json
 import multiprocessing
 import os
 import platform
-import socket
 import statistics
 import time
+
+from bench import free_port
 
 ALPHA = {2: 90.52e-6, 4: 271.56e-6, 8: 633.64e-6}
 ROWS = 32
@@ -125,9 +126,7 @@ def _worker(rank: int, world: int, port: int, scheme: str, args: dict, out) -> N
 def measure(world: int, scheme: str, args: dict) -> dict:
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, scheme, args, out)) for r in range(world)]
     for p in procs:
         p.start()

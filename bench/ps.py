@@ -23,6 +23,8 @@ import time
 
 import numpy as np
 
+from bench import free_port
+
 MiB = 1 << 20
 
 
@@ -117,8 +119,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--sweep", type=lambda s: [int(x) for x in s.split(",") if x], default=[256, 512, 1024, 2048, 4096, 8192, 16384], help="chunk sizes in KiB")
     parser.add_argument("--skip-vgg19", action="store_true")
     args = parser.parse_args(argv)
-    from tests.cluster import free_port  # noqa: F401 - same helper the tests use
-
     cases = _cases(args)
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()

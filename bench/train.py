@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,8 @@ import time
 
 import torch
 from torch import nn
+
+from bench import free_port
 
 IMPLS = ["ddp", "naive", "wfbp", "poseidon"]
 ROWS = 32
@@ -178,15 +179,9 @@ def worker(cfg: dict) -> None:
 # -- the harness ----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_config(impl: str, model: str, world: int, link: str, args, namespaces) -> dict:
     emulate = link != "loopback"
-    port = _free_port()
+    port = free_port()
     master = "10.77.0.1" if namespaces else "127.0.0.1"
     shaper_rate = RATES[link][1] if emulate and not namespaces and impl != "ddp" else None
     procs, outs = [], []

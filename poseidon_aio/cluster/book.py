@@ -22,7 +22,7 @@ import hashlib
 import heapq
 import json
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 from ..errors import ConfigError
 from .manifest import Manifest
@@ -247,6 +247,10 @@ class InformationBook:
         """Messages that carry any key of the given parameters (a layer or a bucket)."""
         wanted = set(indices)
         return tuple(m for m in self.messages if any(self.pairs[k].param in wanted for k in m.keys))
+
+    def slices(self, message: Message, flat: Mapping) -> list:
+        """Views of ``message``'s key-value pairs in ``flat`` (manifest index -> flattened array)."""
+        return [flat[p.param][p.offset : p.offset + p.numel] for p in (self.pairs[k] for k in message.keys)]
 
     def factored_layer(self, message_id: int) -> Optional[tuple]:
         """``(param indices, messages)`` of the factored layer whose first message is ``message_id``."""

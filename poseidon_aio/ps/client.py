@@ -109,18 +109,17 @@ class PSClient:
 
         >>> # result = await client.push([3, 4], [w_grad, b_grad], [w_out, b_out], clock=t)
         """
-        index = {p: i for i, p in enumerate(params)}
+        flat_g = self._flat(params, grads)
+        flat_o = self._flat(params, out)
         messages = self.book.messages_of_params(params)
         for m in messages:
             for key in m.keys:
-                if self.book.pairs[key].param not in index:
+                if self.book.pairs[key].param not in flat_g:
                     other = self.book.manifest[self.book.pairs[key].param].name
                     raise LocalProtocolError(
                         f"message {m.id} also carries {other}: push its whole merge group together"
                     )
-        flat_g = [self._checked(params[i], grads[i]) for i in range(len(params))]
-        flat_o = [self._checked(params[i], out[i]) for i in range(len(params))]
-        return asyncio.ensure_future(self._push(messages, index, flat_g, flat_o, clock, priority))
+        return asyncio.ensure_future(self._push(messages, flat_g, flat_o, clock, priority))
 
     def push_factors(self, params: Sequence[int], u: np.ndarray, v: np.ndarray, out: Sequence[np.ndarray], clock: int, priority: int = 0) -> asyncio.Task:
         """The Project-Adam scheme: send a fully-connected layer's sufficient factors (u: K×M output
@@ -133,16 +132,14 @@ class PSClient:
         layer = tuple(params)
         if layer not in self.book.factored:
             raise LocalProtocolError(f"parameters {list(params)} are not a factored (Project-Adam) layer of the information book")
-        flat_o = [self._checked(params[i], out[i]) for i in range(len(params))]
-        return asyncio.ensure_future(self._push_factors(layer, u, v, flat_o, clock, priority))
+        return asyncio.ensure_future(self._push_factors(layer, u, v, self._flat(params, out), clock, priority))
 
-    async def _push_factors(self, layer: tuple, u: np.ndarray, v: np.ndarray, flat_o: list, clock: int, priority: int) -> PushResult:
+    async def _push_factors(self, layer: tuple, u: np.ndarray, v: np.ndarray, flat_o: dict, clock: int, priority: int) -> PushResult:
         messages = self.book.messages_of_params(layer)
-        index = {p: i for i, p in enumerate(layer)}
         conn = self._conns[messages[0].shard]
         waits, scatter = [], []
         for m in messages:
-            outs = self._slices(m, flat_o, index)
+            outs = self.book.slices(m, flat_o)
             into = outs[0] if len(outs) == 1 else np.empty(sum(o.size for o in outs), dtype=outs[0].dtype)
             if len(outs) > 1:
                 scatter.append((into, outs))
@@ -161,13 +158,9 @@ class PSClient:
         remote = not conn.is_local
         return PushResult(clock, len(messages), sent, received, [], sent if remote else 0, received if remote else 0)
 
-    def _slices(self, m: Message, flat: list, index: dict) -> list:
-        """Views of the key-value pairs of message ``m`` in the flattened arrays."""
-        out = []
-        for key in m.keys:
-            pair = self.book.pairs[key]
-            out.append(flat[index[pair.param]][pair.offset : pair.offset + pair.numel])
-        return out
+    def _flat(self, params: Sequence[int], arrays: Sequence[np.ndarray]) -> dict:
+        """``{manifest index: flattened view}``, each array checked against the manifest."""
+        return {p: self._checked(p, a) for p, a in zip(params, arrays)}
 
     def _checked(self, param: int, array: np.ndarray) -> np.ndarray:
         spec = self.book.manifest[param]
@@ -180,13 +173,13 @@ class PSClient:
             raise LocalProtocolError(f"rank {self.rank}: {spec.name} must be C-contiguous")
         return array.reshape(-1)
 
-    async def _push(self, messages, index, flat_g, flat_o, clock: int, priority: int) -> PushResult:
+    async def _push(self, messages, flat_g: dict, flat_o: dict, clock: int, priority: int) -> PushResult:
         server = self.config.server_sgd is not None
         reply_kind, reply_clock = (Kind.PARAMS, clock + 1) if server else (Kind.AGGREGATE, clock)
         waits, sends, scatter, sent, received, remote = [], [], [], 0, 0, 0
         for m in messages:
             conn = self._conns[m.shard]
-            parts, outs = self._slices(m, flat_g, index), self._slices(m, flat_o, index)
+            parts, outs = self.book.slices(m, flat_g), self.book.slices(m, flat_o)
             if len(outs) == 1:
                 into = outs[0]
             else:
@@ -278,13 +271,12 @@ class PSClient:
 
     async def pull(self, params: Sequence[int], out: Sequence[np.ndarray], clock: int) -> None:
         """Fetch the parameters of ``params`` for ``clock`` from the shards into ``out``."""
-        index = {p: i for i, p in enumerate(params)}
-        flat = [self._checked(params[i], out[i]) for i in range(len(params))]
+        flat = self._flat(params, out)
         waits, scatter = [], []
         messages = self.book.messages_of_params(params)
         for m in messages:
             conn = self._conns[m.shard]
-            outs = self._slices(m, flat, index)
+            outs = self.book.slices(m, flat)
             into = outs[0] if len(outs) == 1 else np.empty(sum(o.size for o in outs), dtype=outs[0].dtype)
             if len(outs) > 1:
                 scatter.append((into, outs))
@@ -302,10 +294,9 @@ class PSClient:
         if self.rank != root:
             await self.pull(params, arrays, clock)
             return
-        index = {p: i for i, p in enumerate(params)}
-        flat = [self._checked(params[i], arrays[i]) for i in range(len(params))]
+        flat = self._flat(params, arrays)
         for m in self.book.messages_of_params(params):
-            parts = self._slices(m, flat, index)
+            parts = self.book.slices(m, flat)
             await self._conns[m.shard].send(Kind.PARAMS, parts, key=m.id, clock=clock, dtype=WIRE_DTYPE[m.dtype])
 
     # -- notices from shards ----------------------------------------------------------------

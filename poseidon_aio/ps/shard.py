@@ -385,7 +385,7 @@ class KVShard:
         flat = await self._loop.run_in_executor(self._pool, gemm)
         values = {params[i]: flat[i] for i in range(len(params))}
         for msg in messages:
-            parts = [values[self.book.pairs[k].param][self.book.pairs[k].offset :][: self.book.pairs[k].numel] for k in msg.keys]
+            parts = self.book.slices(msg, values)
             payload = np.concatenate(parts) if len(parts) > 1 else parts[0]
             self._finalized[msg.id] = clock
             self.stats.finalized += 1

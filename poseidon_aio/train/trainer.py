@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from .. import kernels
-from ..cluster import ClusterEnv, Manifest, ParamSpec, Rendezvous
+from ..cluster import ClusterEnv, Manifest, Rendezvous
 from ..cluster.mesh import Mesh
 from ..errors import ConfigError, RemoteProtocolError, SyncTimeout
 from ..net import NetConfig
@@ -245,7 +245,7 @@ class Trainer:
             if env.rank == 0:
                 await self._rdzv.publish("trainer-token", os.urandom(32).hex())
             self.net = NetConfig(token=bytes.fromhex(await self._rdzv.read("trainer-token", who="rank 0")))
-        manifest = Manifest(ParamSpec(n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in self._named)
+        manifest = Manifest.of_arrays(self._named)
         await self._rdzv.check_manifest(manifest)
         self._mesh = await Mesh.start(
             self._rdzv.scoped("mesh"), self.net, timeout=self.ps_config.rendezvous_timeout, process_shaper=self._shaper
@@ -563,12 +563,9 @@ class Trainer:
     async def _start_ps(self) -> None:
         """(Re)start the parameter server with one message per merge group and shard."""
         names = [[n for layer in group for n, _ in layer.params] for group in self._groups if len(group) > 1]
-        specs = [
-            ParamSpec(self._named[i][0], tuple(self._named[i][1].shape), str(self._named[i][1].dtype).replace("torch.", ""))
-            for i in sorted(self._ps_index, key=self._ps_index.get)
-        ]
+        manifest = Manifest.of_arrays(self._named[i] for i in sorted(self._ps_index, key=self._ps_index.get))
         self._node = await PSNode.start(
-            Manifest(specs), self.ps_config, net=self.net, groups=names or None, start_clock=self.clock,
+            manifest, self.ps_config, net=self.net, groups=names or None, start_clock=self.clock,
             rendezvous=self._rdzv.scoped(f"ps{self._generation}"), process_shaper=self._shaper,
             factored=self._factored or None,
         )
@@ -670,7 +667,7 @@ class Trainer:
             cap.reset()
             cap.enabled = False
         was = self.model.training
-        self.model.eval()  # no side effects on BatchNorm statistics
+        self.model.train(False)  # evaluation mode: no side effects on BatchNorm statistics
         try:
             with torch.no_grad():
                 self.model(batch[0])
