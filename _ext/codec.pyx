@@ -166,6 +166,9 @@ cdef memoryview _byte_view(payload):
     if view.ndim != 1 or view.format != "B":
         if not view.c_contiguous:
             raise LocalProtocolError("payload buffers must be C-contiguous")
+        if view.nbytes == 0:
+            # A (0, N) array cannot be cast (the twin says why).
+            return memoryview(bytearray(0))
         view = view.cast("B")
     return view
 

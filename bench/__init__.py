@@ -2,6 +2,9 @@
 
 import socket
 
+# The token the bench's local workers share (handed over in their environment, as a launcher would).
+BENCH_TOKEN = "bench-local-job-token-0123456789abcdef"
+
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (for a job's rendezvous)."""

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from bench import free_port
+from bench import BENCH_TOKEN, free_port
 
 MiB = 1 << 20
 
@@ -40,7 +40,7 @@ def _cases(args) -> list:
 
 
 def _worker(rank: int, world: int, port: int, cases: list, warmup: int, repeats: int, out) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), POSEIDON_TOKEN=BENCH_TOKEN)
     import torch
     import torch.distributed as dist
 

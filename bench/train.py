@@ -36,7 +36,7 @@ import time
 import torch
 from torch import nn
 
-from bench import free_port
+from bench import BENCH_TOKEN, free_port
 
 IMPLS = ["ddp", "naive", "wfbp", "poseidon"]
 ROWS = 32
@@ -192,7 +192,7 @@ def run_config(impl: str, model: str, world: int, link: str, args, namespaces) -
         cfg = dict(impl=impl, model=model, emulate=emulate, tflops=args.device_tflops, rank=rank, world=world,
                    warmup=args.warmup, steps=args.steps, out=out, shaper_rate=shaper_rate)
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": master, "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "MASTER_ADDR": master, "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "POSEIDON_TOKEN": BENCH_TOKEN,
                "GLOO_SOCKET_IFNAME": "eth0" if namespaces else "lo", "PYTHONPATH": os.getcwd()}
         command = [sys.executable, "-m", "bench.train", "--worker", json.dumps(cfg)]
         if namespaces:

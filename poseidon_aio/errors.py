@@ -24,6 +24,7 @@ __all__ = [
     "ConnectionLost",
     "PeerTimeout",
     "SyncTimeout",
+    "CheckpointError",
 ]
 
 
@@ -79,3 +80,7 @@ class PeerTimeout(PoseidonError, TimeoutError):
 
 class SyncTimeout(PoseidonError, TimeoutError):
     """A synchronization (push, pull, aggregate) did not complete in time."""
+
+
+class CheckpointError(PoseidonError):
+    """A checkpoint is missing, corrupt, or belongs to another model or cluster shape."""

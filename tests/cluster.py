@@ -16,6 +16,9 @@ import time
 import traceback
 
 
+JOB_TOKEN = "tests-cluster-token-0123456789abcdef"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -48,6 +51,8 @@ def start_workers(world: int, target, *args, port: int | None = None, env: dict 
             "LOCAL_RANK": str(rank),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
+            # The launcher hands every worker the job's token (never through the store).
+            "POSEIDON_TOKEN": JOB_TOKEN,
             **(env or {}),
         }
         p = ctx.Process(target=_entry, args=(rank, penv, out, target, args), daemon=True)

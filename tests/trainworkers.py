@@ -175,8 +175,10 @@ def overlap_worker(rank: int, mode: str, trace_path: str):
             for t in range(3):
                 g = torch.Generator().manual_seed(t * 10 + rank)
                 stats.append(await trainer.step((torch.randn(32, 3, 16, 16, generator=g), torch.randint(0, 10, (32,), generator=g))))
-        with open(trace_path) as f:
-            events = json.load(f)["traceEvents"]
+        events = None
+        if rank == 0:  # rank 0 writes one trace with every rank's events
+            with open(trace_path) as f:
+                events = json.load(f)["traceEvents"]
         return [s.overlap_s for s in stats], [s.stall_s for s in stats], events
 
     return poseidon_aio.run(main())
@@ -196,5 +198,175 @@ def budget_worker(rank: int, bandwidth: float):
             for t in range(3):
                 steps.append(await trainer.step(batch(spec, 1, rank, t, 4)))
         return [p.detach().numpy().copy() for p in model.parameters()], [s.step_s for s in steps], [s.bytes["ps"] for s in steps]
+
+    return poseidon_aio.run(main())
+
+
+class Branchy(nn.Module):
+    """An FC layer used on some ranks in some steps only (a data-dependent branch), and called
+    under ``torch.no_grad`` where it is not: its factors are K = 0 rows there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(12, 16)
+        self.extra = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x, use_extra: bool):
+        h = torch.tanh(self.embed(x))
+        if use_extra:
+            h = h + torch.tanh(self.extra(h))
+        else:
+            with torch.no_grad():
+                self.extra(h)  # a probe: no gradient flows through it
+        return self.head(h)
+
+
+# uses[step][rank]: whether that rank's batch takes the extra branch.
+BRANCH_USES = [(True, False), (False, False), (True, True), (False, True)]
+
+
+def branch_batch(seed: int, rank: int, step: int, size: int) -> dict:
+    x, y = batch({"kind": "mlp", "inputs": 12, "classes": 5}, seed, rank, step, size)
+    return {"x": x, "y": y, "extra": BRANCH_USES[step][rank]}
+
+
+def branch_loss(model: nn.Module, b: dict) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(b["x"], b["extra"]), b["y"])
+
+
+def branchy_single(seed: int, workers: int, size: int) -> list:
+    """Distributed SGD averages the ranks' gradients: one process steps on the mean of their losses."""
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for t in range(len(BRANCH_USES)):
+        opt.zero_grad()
+        loss = sum(branch_loss(model, branch_batch(seed, r, t, size)) for r in range(workers)) / workers
+        loss.backward()
+        opt.step()
+    return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def branchy_worker(rank: int, seed: int, size: int):
+    import poseidon_aio
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    async def main():
+        schemes = None
+        async with poseidon_aio.Trainer(model, opt, batch_loss=branch_loss, mode="poseidon", schemes={"extra": "sfb"}) as trainer:
+            for t in range(len(BRANCH_USES)):
+                schemes = (await trainer.step(branch_batch(seed, rank, t, size))).schemes
+        return [p.detach().numpy().copy() for p in model.parameters()], schemes
+
+    return poseidon_aio.run(main())
+
+
+def bn_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(10, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def bn_worker(rank: int, seed: int, steps: int):
+    """BatchNorm statistics, updated by every rank's own forward: rank 0's win at each step end."""
+    import poseidon_aio
+
+    torch.set_num_threads(1)
+    model = bn_model(seed + rank)  # different everywhere at first: rank 0's must win
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    spec = {"kind": "mlp", "inputs": 10, "classes": 3}
+
+    async def main():
+        async with poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, mode="wfbp") as trainer:
+            for t in range(steps):
+                await trainer.step(batch(spec, seed, rank, t, 8))
+        return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+    return poseidon_aio.run(main())
+
+
+def server_sgd_worker(rank: int, spec: dict, seed: int, steps: int, size: int, mode: str):
+    """The shards apply SGD to the PS layers; the user's optimizer (same rule) steps the rest."""
+    import poseidon_aio
+    from poseidon_aio.ps import PSConfig, ServerSGD
+
+    torch.set_num_threads(1)
+    model = build_model(spec, seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    config = PSConfig(server_sgd=ServerSGD(lr=0.05, momentum=0.9, weight_decay=1e-4), sync_timeout=30)
+
+    async def main():
+        stats = []
+        async with poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, mode=mode, ps=config) as trainer:
+            for t in range(steps):
+                stats.append(await trainer.step(batch(spec, seed, rank, t, size)))
+        return [p.detach().numpy().copy() for p in model.parameters()], stats[-1].schemes
+
+    return poseidon_aio.run(main())
+
+
+class Resumable(nn.Module):
+    """Dropout (RNG state), BatchNorm (buffers), convolutions (PS) and FC layers (SFB)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc1 = nn.Linear(4 * 6 * 6, 64)
+        self.drop = nn.Dropout(0.3)
+        self.fc2 = nn.Linear(64, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x)))
+        return self.fc2(self.drop(torch.relu(self.fc1(h.flatten(1)))))
+
+
+def resumable_batch(seed: int, rank: int, step: int):
+    g = torch.Generator().manual_seed(seed * 7919 + rank * 104729 + step)
+    return torch.randn(6, 1, 6, 6, generator=g), torch.randint(0, 5, (6,), generator=g)
+
+
+def checkpoint_worker(rank: int, runs: list, seed: int, steps: int):
+    """``runs``: ``(label, variant, directory, crash_after)``; each trains ``steps`` steps (resuming
+    from ``directory`` when it holds a checkpoint), saving every 2 steps; ``crash_after`` kills the
+    process (no goodbye) right after that step."""
+    import os
+
+    import poseidon_aio
+    from poseidon_aio.cluster import ClusterEnv, Rendezvous
+    from poseidon_aio.ps import PSConfig, ServerSGD
+
+    torch.set_num_threads(1)
+
+    async def main():
+        rdzv = Rendezvous(ClusterEnv.from_env(), timeout=60)
+        await rdzv.start()
+        out = {}
+        for label, variant, directory, crash_after in runs:
+            torch.manual_seed(seed + rank)  # dropout masks differ by rank, and repeat run to run
+            model = Resumable()
+            if variant == "server":
+                opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+                kwargs = dict(mode="wfbp", ps=PSConfig(server_sgd=ServerSGD(lr=0.05, momentum=0.9), sync_timeout=30))
+            else:
+                opt = torch.optim.Adam(model.parameters(), lr=0.01)
+                kwargs = dict(mode="poseidon", schemes={"fc1": "sfb"}, merge_after=1, calibration_sizes=(4096, 65536), ps=PSConfig(sync_timeout=30))
+            trainer = poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, rendezvous=rdzv.scoped(label), **kwargs)
+            async with trainer:
+                start = await trainer.restore(directory) if os.path.isdir(directory) else 0
+                for t in range(start, steps):
+                    await trainer.step(resumable_batch(seed, rank, t))
+                    if (t + 1) % 2 == 0:
+                        await trainer.save(directory)
+                    if t == crash_after:
+                        os._exit(137)
+            out[label] = {"start": start, "state": {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}}
+        await rdzv.leave()
+        return out
 
     return poseidon_aio.run(main())

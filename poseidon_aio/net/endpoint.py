@@ -113,15 +113,17 @@ class Endpoint:
         """
         ident = (Kind(kind), int(key), int(clock))
         fut = self._loop.create_future()
-        if self._exc is not None:
-            fut.set_exception(self._lost())
-            silence(fut)
-            return fut
         if ident in self._expected:
             raise LocalProtocolError(f"frame {ident[0].name} key {key} clock {clock} from {self.where} is already expected")
+        # A frame that arrived before the link ended is still delivered (a peer may send its last
+        # frame and say GOODBYE before we ask for it).
         early = self._claim_from_inbox(ident)
         if early is not None:
             fut.set_result(early if into is None else moved_into(early, into))
+            return fut
+        if self._exc is not None:
+            fut.set_exception(self._lost())
+            silence(fut)
             return fut
         self._expected[ident] = (fut, into)
         fut.add_done_callback(lambda f: self._forget(ident, f))

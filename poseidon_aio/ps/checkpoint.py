@@ -17,14 +17,11 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from ..errors import PoseidonError
+from ..errors import CheckpointError
 
 
-class CheckpointError(PoseidonError):
-    """A checkpoint is missing, corrupt, or belongs to another model or cluster shape."""
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that a crash leaves either the old file or the new one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -33,7 +30,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -53,7 +50,7 @@ def write(root: str, shard: int, clock: int, digest: str, arrays: Mapping[str, n
     np.savez(buf, **arrays)
     blob = buf.getvalue()
     data_path = where / f"clock-{clock:010d}.npz"
-    _write_atomic(data_path, blob)
+    write_atomic(data_path, blob)
     manifest = {
         "clock": clock,
         "shard": shard,
@@ -62,8 +59,8 @@ def write(root: str, shard: int, clock: int, digest: str, arrays: Mapping[str, n
         "sha256": hashlib.sha256(blob).hexdigest(),
     }
     meta_path = where / f"clock-{clock:010d}.json"
-    _write_atomic(meta_path, json.dumps(manifest).encode())
-    _fsync_dir(where)
+    write_atomic(meta_path, json.dumps(manifest).encode())
+    fsync_dir(where)
     return meta_path
 
 

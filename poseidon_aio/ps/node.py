@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 from typing import Optional, Sequence
 
 from ..cluster.book import InformationBook
 from ..cluster.manifest import Manifest
 from ..cluster.rendezvous import ClusterEnv, Rendezvous, advertise_host
 from ..net import LocalLink, NetConfig, connect, listen
+from ..net.credentials import config_from_env
 from . import checkpoint
 from .client import PSClient
 from .config import PSConfig
@@ -79,6 +79,7 @@ class PSNode:
         self._listener = None
         self._shaper = None
         self._factored: list = []
+        self._given_state: Optional[dict] = None
 
     @classmethod
     async def start(
@@ -93,6 +94,7 @@ class PSNode:
         rendezvous: Optional[Rendezvous] = None,
         process_shaper=None,
         factored: Optional[Sequence[Sequence[str]]] = None,
+        shard_state: Optional[dict] = None,
     ) -> "PSNode":
         """Join the job and return a ready node.
 
@@ -100,9 +102,9 @@ class PSNode:
             manifest: this rank's model manifest (must equal every other rank's).
             config: :class:`PSConfig`.
             env: the launcher environment (default: read from ``os.environ``).
-            net: connection settings; without it, rank 0 draws a random cluster token and shares
-                it through the rendezvous store. That guards against cross-talk with other jobs,
-                not against someone who can reach the store: pass ``net`` with your own token then.
+            net: connection settings; without it, the token (and TLS files) come from the
+                environment (``POSEIDON_TOKEN`` or ``POSEIDON_TOKEN_FILE``, see
+                :mod:`poseidon_aio.net.credentials`). Secrets never go through the store.
             groups: merge groups for the information book (MG-WFBP).
             start_clock: the clock to start at, when no shard checkpoint says otherwise.
             rendezvous: an already started :class:`Rendezvous` (e.g. a ``scoped`` view, to run
@@ -111,11 +113,15 @@ class PSNode:
                 process shares (the bandwidth manager's budget).
             factored: fully-connected layers (``[weight, bias]`` names) synced by the
                 Project-Adam scheme (:meth:`PSClient.push_factors`).
+            shard_state: the server-side optimizer state of the shard this rank hosts
+                (:meth:`KVShard.state`, e.g. from a trainer checkpoint), with ``start_clock``
+                the clock it was taken at.
         Raises:
             ConfigError, ManifestMismatch, PeerTimeout, CheckpointError: start-up failed.
         """
         self = cls()
         config = config or PSConfig()
+        net = net or config_from_env()  # before anything waits: a missing token fails at once
         self.config = config
         if rendezvous is not None:
             self.env, self._rdzv = rendezvous.env, rendezvous
@@ -126,10 +132,11 @@ class PSNode:
         self.rank = self.env.rank
         self._shaper = process_shaper
         self._factored = [list(f) for f in factored or ()]
+        self._given_state = shard_state
         try:
             await self._join(manifest, net, groups, start_clock)
         except BaseException:
-            await self._teardown()
+            await self.teardown()
             raise
         return self
 
@@ -138,10 +145,6 @@ class PSNode:
         if env.rank == 0:
             setup = {"config": config.to_json(), "groups": [list(g) for g in groups or ()], "factored": self._factored}
             await rdzv.publish("ps-setup", json.dumps(setup))
-            if net is None:
-                await rdzv.publish("token", os.urandom(32).hex())
-        if net is None:
-            net = NetConfig(token=bytes.fromhex(await rdzv.read("token", who="rank 0")))
         await rdzv.check_manifest(manifest)
         workers = env.world_size
         shards = config.shards_for(workers)
@@ -152,6 +155,8 @@ class PSNode:
         await rdzv.check_digest("information book", self.book.digest())
         index = None if config.standalone_shards or env.rank >= shards else env.rank
         start_clock, state = await _agree_on_start(rdzv, config, self.book, index, start_clock)
+        if state is False and self._given_state is not None:
+            state = self._given_state
         await rdzv.check_digest("start clock", str(start_clock))
         self.resumed = state is not False
         self.start_clock = start_clock
@@ -168,16 +173,22 @@ class PSNode:
         self.client = PSClient(env.rank, self.book, config, conns, start_clock=start_clock)
         await rdzv.barrier("ps-ready")
 
+    @property
+    def rendezvous(self) -> Rendezvous:
+        """The rendezvous (store view) this node joined through."""
+        return self._rdzv
+
     async def close(self) -> None:
         """Leave the job: wait until every rank is done, then close connections and the shard."""
         try:
             await self._rdzv.barrier("ps-done")
         except BaseException:
-            await self._teardown()
+            await self.teardown()
             raise
-        await self._teardown(linger=None)
+        await self.teardown(linger=None)
 
-    async def _teardown(self, linger: Optional[float] = 5.0) -> None:
+    async def teardown(self, linger: Optional[float] = 5.0) -> None:
+        """Close connections and the shard now, without waiting for the other ranks (a failed job)."""
         client = getattr(self, "client", None)
         if client is not None:
             for conn in client.connections.values():
@@ -197,4 +208,4 @@ class PSNode:
         else:
             if getattr(self, "client", None) is not None:
                 self.client.fail(exc if isinstance(exc, Exception) else asyncio.CancelledError())
-            await self._teardown()
+            await self.teardown()

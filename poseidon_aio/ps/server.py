@@ -1,7 +1,8 @@
 """A standalone shard process: ``poseidon-aio shard --index S`` (or :func:`serve_shard`).
 
 It meets the workers at the same TCPStore (``MASTER_ADDR``/``MASTER_PORT``), takes the job's
-settings, manifest and token from what rank 0 published there, checks that it computes the same
+settings and manifest from what rank 0 published there (the token from its own environment, as
+every worker: ``POSEIDON_TOKEN`` or ``POSEIDON_TOKEN_FILE``), checks that it computes the same
 information book, hosts shard ``S`` and ends when every worker has connected and left.
 """
 
@@ -15,7 +16,7 @@ from ..cluster.book import InformationBook
 from ..cluster.manifest import Manifest, ManifestMismatch
 from ..cluster.rendezvous import ClusterEnv, Rendezvous
 from ..errors import ConfigError, PeerTimeout
-from ..net import NetConfig
+from ..net.credentials import config_from_env
 from .config import PSConfig
 from .node import _agree_on_start, _host_shard
 
@@ -35,6 +36,7 @@ async def serve_shard(index: int, *, master_addr: str, master_port: int, workers
         ManifestMismatch: this process computes another information book than the workers.
         PeerTimeout: the workers did not come.
     """
+    net = config_from_env()  # before anything waits: a missing token fails at once
     # A shard is not a worker: it takes a rank past the workers' for its connections' names.
     env = ClusterEnv(rank=workers + index, world_size=workers, local_rank=0, master_addr=master_addr, master_port=master_port)
     rdzv = Rendezvous(env, timeout=timeout)
@@ -46,7 +48,6 @@ async def serve_shard(index: int, *, master_addr: str, master_port: int, workers
             f"shard process {index}: the job runs {config.shards} shards "
             f"{'in their own processes' if config.standalone_shards else 'inside its workers'}"
         )
-    net = NetConfig(token=bytes.fromhex(await rdzv.read("token", who="rank 0")))
     manifest = Manifest.from_json(await rdzv.read("manifest/0", who="rank 0"))
     book = InformationBook(
         manifest, workers=workers, shards=config.shards, chunk_bytes=config.chunk_bytes,

@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 
 from ..cluster.book import InformationBook, Message
-from ..errors import RemoteProtocolError
+from ..errors import CheckpointError, RemoteProtocolError
 from ..net import Endpoint
 from ..wire import DType, Frame, Header, Kind
 from . import checkpoint
@@ -159,9 +159,17 @@ class KVShard:
         self._closed = False
         self._quorum = config.stragglers.quorum_of(self.workers)
         if state is not None:
+            rebuilt = {m.id for _, messages in self._factored.values() for m in messages}
+            missing = sorted(mid for mid in self._messages if mid not in rebuilt and f"w{mid}" not in state)
+            if missing:
+                raise CheckpointError(
+                    f"shard {index}: the saved state has no parameters for messages {missing[:8]}: it was taken "
+                    "with another model, merge plan or cluster shape"
+                )
             for mid in self._messages:
-                self._params[mid] = state[f"w{mid}"].astype(self._dtype[mid], copy=True)
-                self._momentum[mid] = state[f"v{mid}"].astype(self._dtype[mid], copy=True)
+                if f"w{mid}" in state:
+                    self._params[mid] = state[f"w{mid}"].astype(self._dtype[mid], copy=True)
+                    self._momentum[mid] = state[f"v{mid}"].astype(self._dtype[mid], copy=True)
 
     # -- connections ------------------------------------------------------------------------
 
@@ -498,6 +506,15 @@ class KVShard:
         del self._pullers[(mid, clock)]
 
     # -- checkpoints ------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        """A copy of the server-side optimizer's state (``w<message>``, ``v<message>`` arrays), the
+        form ``KVShard(state=...)`` takes; empty without server-side SGD."""
+        out = {}
+        for mid in self._params:
+            out[f"w{mid}"] = self._params[mid].copy()
+            out[f"v{mid}"] = self._momentum[mid].copy()
+        return out
 
     def _maybe_checkpoint(self, mid: int, version: int) -> None:
         every = self.config.checkpoint_every

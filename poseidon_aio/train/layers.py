@@ -102,7 +102,8 @@ class FactorCapture:
         x = inputs[0]
         n = module.weight.shape[1]
         self.rows.append(x.numel() // n)
-        if not self.enabled or not output.requires_grad:
+        # A call under torch.no_grad, or with the weight frozen for this step, adds no gradient.
+        if not self.enabled or not output.requires_grad or not module.weight.requires_grad:
             return
         call = self._calls
         self._calls += 1

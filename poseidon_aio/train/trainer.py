@@ -31,9 +31,10 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -42,13 +43,15 @@ from torch import nn
 from .. import kernels
 from ..cluster import ClusterEnv, Manifest, Rendezvous
 from ..cluster.mesh import Mesh
-from ..errors import ConfigError, RemoteProtocolError, SyncTimeout
+from ..errors import CheckpointError, ConfigError, PoseidonError, RemoteProtocolError, SyncTimeout
 from ..net import NetConfig
+from ..net.credentials import config_from_env
 from ..ps import PSConfig, PSNode
 from ..net import Shaper, TokenBucket
 from ..sync.cost import Scheme, best_scheme
 from ..sync.mgwfbp import CommModel, fit, merge_plan, optimal_plan
 from ..wire import DType, Kind
+from . import checkpoint
 from .layers import FactorCapture, GradReady, Layer, discover, grad_or_zeros
 
 log = logging.getLogger("poseidon_aio.train")
@@ -56,6 +59,11 @@ log = logging.getLogger("poseidon_aio.train")
 MODES = ("naive", "wfbp", "mgwfbp", "poseidon")
 MERGES = ("none", "algorithm1", "optimal", "single")
 CALIBRATION_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+TRACE_ENV = "POSEIDON_TRACE"
+# Mesh frames of the trace's clock alignment and gathering: a key no layer or buffer index reaches.
+_TRACE_KEY = (1 << 32) - 1
+_TRACE_GATHER_CLOCK = 1 << 62
+_PINGS = 8
 _TORCH_WIRE = {torch.float32: DType.FLOAT32, torch.float64: DType.FLOAT64, torch.float16: DType.FLOAT16, torch.int64: DType.INT64, torch.int32: DType.INT32, torch.uint8: DType.UINT8, torch.bool: DType.UINT8}
 
 
@@ -111,19 +119,29 @@ class Trainer:
     """Data-parallel training of ``model`` across the job's worker processes.
 
     Args:
-        model: the module every rank builds identically (parameters are broadcast from rank 0).
+        model: the module every rank builds identically (parameters and buffers are broadcast
+            from rank 0 at start). CPU tensors only, for now.
         optimizer: any ``torch.optim`` optimizer over the model's parameters; it steps on the
             averaged gradients. Step your LR scheduler yourself, as usual.
-        loss_fn: ``loss_fn(model(inputs), targets)`` -> scalar tensor.
-        mode: ``"naive"``, ``"wfbp"`` or ``"poseidon"`` (see the module docstring).
-        ps: parameter-server settings (shards, chunk size, staleness, stragglers).
-        net: connection settings; by default rank 0 draws a cluster token and shares it through
-            the rendezvous store (see :class:`PSNode`).
+        loss_fn: ``loss_fn(model(inputs), targets)`` -> scalar tensor, for batches that are
+            ``(inputs, targets)`` pairs.
+        batch_loss: ``batch_loss(model, batch)`` -> scalar tensor, for any other batch (a dict,
+            several tensors, your own object): the batch reaches it as you gave it to
+            :meth:`step`. Give exactly one of ``loss_fn`` and ``batch_loss``.
+        mode: ``"naive"``, ``"wfbp"``, ``"mgwfbp"`` or ``"poseidon"`` (see the module docstring).
+        ps: parameter-server settings (shards, chunk size, staleness, stragglers). With
+            ``server_sgd`` the shards own the parameters of PS layers and apply SGD to them;
+            your optimizer then steps only the other layers, and merging is off.
+        net: connection settings; by default the token (and TLS files) come from the environment
+            (``POSEIDON_TOKEN`` / ``POSEIDON_TOKEN_FILE``, see :mod:`poseidon_aio.net.credentials`).
         schemes: per-layer overrides, ``{"head.fc1": "ps" | "sfb" | "adam"}`` (``adam``: Project
             Adam's scheme, factors pushed to the PS and full matrices pulled back, for comparison).
-        broadcast_buffers: send rank 0's buffers (BatchNorm statistics) before every forward,
-            as ``DistributedDataParallel`` does, so replicas stay identical.
-        trace: write a Chrome trace (JSON) of every step's compute and layer syncs there on close.
+        broadcast_buffers: at the end of every step, send rank 0's buffers (BatchNorm running
+            statistics) to every rank, so replicas (and a model saved on any rank) stay identical.
+        trace: write a Chrome trace (Perfetto, chrome://tracing) of every step's compute and
+            layer syncs there on close: one file, every rank a process, clocks aligned to rank
+            0's at start. Default: ``$POSEIDON_TRACE`` (``poseidon-aio run --trace PATH``).
+        trace_ring: the most trace events each rank keeps (the newest); ~150 bytes each.
         env: the launcher environment (default: ``RANK``, ``WORLD_SIZE``, ... from the environment).
         rendezvous: an already started :class:`Rendezvous` (a ``scoped`` view), to run several
             trainers one after another over one store.
@@ -137,6 +155,9 @@ class Trainer:
             per-message start-up cost, to emulate a network's alpha).
         calibration_sizes: message sizes timed at start-up to fit alpha and beta.
 
+    Raises:
+        ConfigError: an invalid combination of settings, or a model on a GPU.
+
     >>> # async with Trainer(model, torch.optim.SGD(model.parameters(), 0.1), F.cross_entropy) as trainer:
     >>> #     for batch in loader:
     >>> #         stats = await trainer.step(batch)
@@ -146,14 +167,16 @@ class Trainer:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        loss_fn: Callable,
+        loss_fn: Optional[Callable] = None,
         *,
+        batch_loss: Optional[Callable[[nn.Module, Any], torch.Tensor]] = None,
         mode: str = "poseidon",
         ps: Optional[PSConfig] = None,
         net: Optional[NetConfig] = None,
         schemes: Optional[dict] = None,
         broadcast_buffers: bool = True,
         trace: Optional[str] = None,
+        trace_ring: int = 200_000,
         env: Optional[ClusterEnv] = None,
         rendezvous: Optional[Rendezvous] = None,
         merge: Optional[str] = None,
@@ -164,22 +187,48 @@ class Trainer:
     ) -> None:
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
-        merge = merge or ("algorithm1" if mode in ("mgwfbp", "poseidon") else "none")
+        if (loss_fn is None) == (batch_loss is None):
+            raise ConfigError("give the Trainer exactly one of loss_fn (for (inputs, targets) batches) and batch_loss")
+        ps = ps or PSConfig()
+        if ps.checkpoint_dir:
+            raise ConfigError(
+                "PSConfig.checkpoint_dir is the parameter server's own checkpointing (PSNode); with the Trainer "
+                "use `await trainer.save(directory)` and `await trainer.restore(directory)`, which cover the model, "
+                "the optimizer, the clock and the shards' server-side state"
+            )
+        if ps.server_sgd is not None and merge not in (None, "none"):
+            raise ConfigError(
+                "with PSConfig.server_sgd the shards own the parameters and their optimizer state per message; "
+                "merging would re-cut the messages mid-training: use merge='none'"
+            )
+        merge = merge or ("algorithm1" if mode in ("mgwfbp", "poseidon") and ps.server_sgd is None else "none")
         if merge not in MERGES:
             raise ConfigError(f"merge must be one of {MERGES}, got {merge!r}")
         if merge != "none" and mode in ("naive", "wfbp"):
             raise ConfigError(f"mode {mode!r} sends every layer on its own; merging is mode 'mgwfbp' or 'poseidon'")
         if merge_after < 1:
             raise ConfigError("merge_after must be >= 1 measured step")
+        if trace_ring < 1:
+            raise ConfigError("trace_ring must be >= 1 event")
+        on_gpu = sorted({str(t.device) for t in [*model.parameters(), *model.buffers()] if t.device.type != "cpu"})
+        if on_gpu:
+            raise ConfigError(
+                f"the model has tensors on {', '.join(on_gpu)}: this release trains CPU models only (the CUDA "
+                "path — pinned staging buffers and the CuPy kernels end to end — is not built yet); move it "
+                "with model.cpu()"
+            )
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
+        self.batch_loss = batch_loss
         self.mode = mode
-        self.ps_config = ps or PSConfig()
+        self.ps_config = ps
         self.net = net
         self.overrides = dict(schemes or {})
         self.broadcast_buffers = broadcast_buffers
-        self.trace_path = trace
+        self.trace_path = trace or os.environ.get(TRACE_ENV) or None
+        #: The newest trace events of this rank (nothing is recorded without a trace path).
+        self.trace_events: deque = deque(maxlen=trace_ring)
         self.env = env
         self._given_rdzv = rendezvous
         self.merge = merge
@@ -191,7 +240,6 @@ class Trainer:
         self.clock = 0
         self.layers = discover(model)
         self.schemes: dict = {}
-        self.trace_events: list = []
         self._named = [(n, p) for layer in self.layers for n, p in layer.params]
         index = {id(p): i for i, (_, p) in enumerate(self._named)}
         for layer in self.layers:
@@ -207,6 +255,7 @@ class Trainer:
         self._captures: dict = {}
         self._ready: dict = {}
         self._ps_index: dict = {}
+        self._server_owned: set = set()  # manifest indices whose values the shards' SGD sends
         self._groups: list = []  # PS layers, grouped: one message per group and shard
         self._factored: list = []  # [weight, bias] names of the layers synced by Project Adam
         self._group_of: dict = {}
@@ -214,6 +263,7 @@ class Trainer:
         self._calibration: list = []
         self._generation = 0
         self._shard_bytes_seen = 0
+        self._restored: Optional[dict] = None
         #: Payload bytes on the network per scheme since start (the shard's replies included).
         self.bytes_total: dict = {}
         self._t0 = time.perf_counter()
@@ -228,8 +278,16 @@ class Trainer:
         await self.close(failed=exc_type is not None)
 
     async def start(self) -> None:
-        """Join the job: rendezvous, manifest check, worker mesh, rank 0's parameters everywhere."""
+        """Join the job: rendezvous, manifest check, worker mesh, rank 0's parameters and buffers
+        everywhere.
+
+        Raises:
+            ConfigError: no cluster token is set (see ``net``).
+            PeerTimeout, ManifestMismatch, AuthenticationError: the job could not form.
+        """
         self._loop = asyncio.get_running_loop()
+        if self.net is None:
+            self.net = config_from_env()  # before anything waits: a missing token fails at once
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poseidon-compute")
         self._reduce = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poseidon-reconstruct")
         if self._given_rdzv is not None:
@@ -241,17 +299,15 @@ class Trainer:
             await self._rdzv.start()
         self.env = env
         self.rank, self.world = env.rank, env.world_size
-        if self.net is None:
-            if env.rank == 0:
-                await self._rdzv.publish("trainer-token", os.urandom(32).hex())
-            self.net = NetConfig(token=bytes.fromhex(await self._rdzv.read("trainer-token", who="rank 0")))
-        manifest = Manifest.of_arrays(self._named)
-        await self._rdzv.check_manifest(manifest)
+        self._manifest = Manifest.of_arrays(self._named)
+        await self._rdzv.check_manifest(self._manifest)
         self._mesh = await Mesh.start(
             self._rdzv.scoped("mesh"), self.net, timeout=self.ps_config.rendezvous_timeout, process_shaper=self._shaper
         )
-        # Every parameter, frozen ones too: replicas must start identical.
-        await self._broadcast(list(self.model.parameters()), Kind.PARAMS, 0)
+        if self.trace_path and self.world > 1:
+            await self._align_trace_clock()
+        # Every parameter, frozen ones too, and every buffer: replicas must start identical.
+        await self._broadcast([*self.model.parameters(), *self._buffers], Kind.PARAMS, 0)
         for layer in self.layers:
             self._ready[layer.index] = GradReady(layer, self._on_ready_threadsafe)
             if layer.sfb_capable:
@@ -267,20 +323,18 @@ class Trainer:
         self._started = False
         try:
             if not failed:
-                while self._inflight:
-                    await self._apply(self._inflight.pop(0))
+                await self._drain()
                 if self._node is not None:
-                    await self._node._rdzv.barrier("trainer-done")  # every rank's syncs are over
+                    await self._node.rendezvous.barrier("trainer-done")  # every rank's syncs are over
                     self.bytes_total["ps"] = self.bytes_total.get("ps", 0) + self._shard_bytes_delta()
         finally:
             for hook in [*self._ready.values(), *self._captures.values()]:
                 hook.remove()
             if self.trace_path:
-                with open(self.trace_path, "w") as f:
-                    json.dump({"traceEvents": self.trace_events, "displayTimeUnit": "ms"}, f)
+                await self._write_trace(gather=not failed)
             if self._node is not None:
                 if failed:
-                    await self._node._teardown()
+                    await self._node.teardown()
                 else:
                     await self._node.close()
             if self._mesh is not None:
@@ -289,25 +343,110 @@ class Trainer:
             self._compute.shutdown(wait=True)
             self._reduce.shutdown(wait=True)
 
+    async def _drain(self) -> None:
+        """Apply every step still in flight (SSP leaves up to ``staleness`` of them)."""
+        while self._inflight:
+            await self._apply(self._inflight.pop(0))
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    async def save(self, directory: str, *, keep: int = 2) -> int:
+        """Checkpoint the job at the current clock; every rank must call it at the same clock.
+
+        Each rank writes its own file (model, optimizer, clock, torch's RNG state, the scheme and
+        merge plans, and the server-side optimizer state of the shard it hosts) under
+        ``directory/step-<clock>/``, atomically; steps in flight under SSP are applied first.
+        Older checkpoints but the newest ``keep`` are removed once every rank has this one.
+
+        Returns:
+            The clock saved (the next step's clock).
+        Raises:
+            ConfigError: called before :meth:`start`.
+        """
+        if not self._started:
+            raise ConfigError("start the trainer before saving it: `async with Trainer(...) as trainer:`")
+        if keep < 1:
+            raise ConfigError("save(keep=...) must keep at least the checkpoint it writes")
+        await self._drain()
+        shard = self._node.shard if self._node is not None else None
+        state = {
+            "clock": self.clock,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": torch.get_rng_state(),
+            "schemes": {layer.name: scheme.value for layer in self.layers if (scheme := self.schemes.get(layer.index))},
+            "groups": [[layer.name for layer in group] for group in self._groups] if self._planned else [],
+            "merge_info": json.dumps(self.merge_info),
+            # The snapshot is taken before the barrier below, so no rank can push the next clock
+            # into this shard before its state is copied.
+            "shard": {k: torch.from_numpy(v) for k, v in shard.state().items()} if shard is not None else {},
+        }
+        clock = self.clock
+        await self._loop.run_in_executor(
+            self._compute, checkpoint.write, directory, clock, self.rank, self.world, self._manifest.digest(), state
+        )
+        await self._rdzv.barrier(f"checkpoint/{clock}")
+        await self._loop.run_in_executor(self._compute, checkpoint.prune, directory, self.rank, keep)
+        log.info("rank %d: checkpoint at clock %d in %s", self.rank, clock, directory)
+        return clock
+
+    async def restore(self, directory: str) -> int:
+        """Resume from the newest checkpoint in ``directory`` that every rank has; call it after
+        :meth:`start` and before the first step, on every rank.
+
+        Returns:
+            The clock the job resumes at.
+        Raises:
+            CheckpointError: no checkpoint common to every rank, or one that does not match this
+                model or world size (the message names the ranks and clocks).
+            ConfigError: called before :meth:`start` or after a step.
+        """
+        if not self._started or self._planned:
+            raise ConfigError("restore() goes after start() and before the first step")
+        digest = self._manifest.digest()
+        mine = await self._loop.run_in_executor(self._compute, checkpoint.complete_clocks, directory, self.rank, self.world, digest)
+        seen = await self._rdzv.exchange("restore/clocks", json.dumps(mine), range(self.world))
+        by_rank = {r: json.loads(text) for r, text in seen.items()}
+        clock = checkpoint.newest_common(by_rank)
+        if clock is None:
+            raise CheckpointError(
+                f"rank {self.rank}: no checkpoint of this model and world size ({self.world}) in {directory} that every "
+                f"rank has (complete clocks per rank: {by_rank})"
+            )
+        state = await self._loop.run_in_executor(self._compute, checkpoint.read, directory, clock, self.rank)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        self.clock = clock
+        self.merge_info = json.loads(state["merge_info"])
+        self._restored = state
+        log.info("rank %d: resumed from the checkpoint at clock %d in %s", self.rank, clock, directory)
+        return clock
+
     # -- the step ---------------------------------------------------------------------------
 
     async def step(self, batch) -> StepStats:
-        """One iteration on this rank's ``batch`` = ``(inputs, targets)``.
+        """One iteration on this rank's ``batch``: ``(inputs, targets)`` with ``loss_fn``, anything
+        with ``batch_loss``.
 
         Returns:
             :class:`StepStats` (loss, timings, bytes per scheme, dropped ranks).
         Raises:
             SyncTimeout, ConnectionLost, WorkerLeft: a sync did not complete (the message names
                 the layer, the clock and the peer or shard).
+            ConfigError: a batch ``loss_fn`` cannot take.
         """
         if not self._started:
             raise ConfigError("start the trainer first: `async with Trainer(...) as trainer:`")
+        if self.loss_fn is not None and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ConfigError(
+                f"step() got a batch of type {type(batch).__name__}: with loss_fn a batch is an (inputs, targets) "
+                "pair; for dicts or several tensors give the Trainer batch_loss=lambda model, batch: <scalar loss>"
+            )
         if not self._planned:
             await self._plan(batch)
         t = self.clock
         started = time.perf_counter()
-        if self.broadcast_buffers and self._buffers:
-            await self._broadcast(self._buffers, Kind.DATA, t)
         state = _Step(t)
         state.t_start = started
         for i, (_, p) in enumerate(self._named):
@@ -325,6 +464,9 @@ class Trainer:
         for layer in [*state.deferred, *reversed(self.layers)]:
             self._launch(state, layer, force=True)
         self._inflight.append(state)
+        if self.broadcast_buffers and self._buffers:
+            # This step's forward updated them (BatchNorm statistics); the next forward reads them.
+            await self._broadcast(self._buffers, Kind.DATA, t)
         staleness = self.ps_config.staleness
         while self._inflight and self._inflight[0].clock <= t - staleness:
             await self._apply(self._inflight.pop(0))
@@ -361,12 +503,16 @@ class Trainer:
         delta, self._shard_bytes_seen = moved - self._shard_bytes_seen, moved
         return delta
 
-    def _forward_backward(self, batch) -> float:
+    def _loss(self, batch) -> torch.Tensor:
+        if self.batch_loss is not None:
+            return self.batch_loss(self.model, batch)
         inputs, targets = batch
+        return self.loss_fn(self.model(inputs), targets)
+
+    def _forward_backward(self, batch) -> float:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        out = self.model(inputs)
-        loss = self.loss_fn(out, targets)
+        loss = self._loss(batch)
         self._state.t_forward_end = time.perf_counter()
         loss.backward()
         return float(loss.detach())
@@ -486,9 +632,15 @@ class Trainer:
         # out of the previous .grad while this one is applied. A parameter whose averaged gradient
         # is exactly zero (unused on every rank) keeps grad None so the optimizer skips it, as it
         # would in one process; every rank sees the same aggregate, so every rank decides alike.
-        for i, (_, p) in enumerate(self._named):
-            agg = state.agg[i]
-            p.grad = agg if bool(agg.any()) else None
+        # A parameter frozen for this step (requires_grad off) gets no gradient either.
+        with torch.no_grad():
+            for i, (_, p) in enumerate(self._named):
+                agg = state.agg[i]
+                if i in self._server_owned:  # the shards' SGD sent the new values themselves
+                    p.copy_(agg)
+                    p.grad = None
+                else:
+                    p.grad = agg if p.requires_grad and bool(agg.any()) else None
         self.optimizer.step()
 
     # -- start-up pieces --------------------------------------------------------------------
@@ -500,7 +652,8 @@ class Trainer:
         if self.rank == 0:
             sends = []
             for i, tensor in enumerate(tensors):
-                data = tensor.detach()
+                # A copy: a send may still hold the bytes when the next forward updates a buffer.
+                data = tensor.detach().clone()
                 payload = data.view(torch.uint8).numpy() if data.dtype is torch.bool else data.numpy()
                 for conn in self._mesh.peers.values():
                     sends.append(conn.send(kind, payload, key=i, clock=clock, dtype=_TORCH_WIRE.get(data.dtype, DType.BYTES)))
@@ -515,10 +668,44 @@ class Trainer:
         try:
             await asyncio.wait_for(asyncio.gather(*waits), self.ps_config.sync_timeout)
         except TimeoutError:
-            raise SyncTimeout(f"rank {self.rank}: rank 0's {'parameters' if kind is Kind.PARAMS else 'buffers'} for clock {clock} did not arrive") from None
+            what = "parameters and buffers" if kind is Kind.PARAMS else "buffers"
+            raise SyncTimeout(
+                f"rank {self.rank}: rank 0's {what} for clock {clock} did not arrive within {self.ps_config.sync_timeout} s"
+            ) from None
 
     async def _plan(self, batch) -> None:
         """Decide every layer's scheme (the same on every rank) and start the parameter server."""
+        restored = (self._restored or {}).get("schemes")
+        if restored:
+            if set(restored) != {layer.name for layer in self.layers}:
+                raise CheckpointError(f"rank {self.rank}: the checkpoint's scheme plan names other layers than this model has")
+            self.schemes = {layer.index: Scheme(restored[layer.name]) for layer in self.layers}
+        else:
+            await self._choose_schemes(batch)
+        plan = json.dumps({layer.name: self.schemes[layer.index].value for layer in self.layers})
+        await self._rdzv.check_digest("scheme plan", plan)
+        ps_layers = [layer for layer in self.layers if self.schemes[layer.index] is Scheme.PS]
+        adam_layers = [layer for layer in self.layers if self.schemes[layer.index] is Scheme.ADAM]
+        # Plain-PS layers first, so any run of them a merge plan groups is consecutive in the manifest.
+        on_ps = ps_layers + adam_layers
+        self._ps_index = {i: j for j, i in enumerate(i for layer in on_ps for i in layer.param_ids)}
+        self._factored = [[n for n, _ in layer.params] for layer in adam_layers]
+        self._set_groups([[layer] for layer in ps_layers] if self.merge != "single" or not ps_layers else [ps_layers])
+        groups = (self._restored or {}).get("groups")
+        if groups and self.merge != "none":  # the merge plan in force when the checkpoint was taken
+            by_name = {layer.name: layer for layer in ps_layers}
+            if sorted(n for g in groups for n in g) != sorted(by_name):
+                raise CheckpointError(f"rank {self.rank}: the checkpoint's merge plan names other layers than this model syncs by PS")
+            self._set_groups([[by_name[n] for n in g] for g in groups])
+        if self.ps_config.server_sgd is not None:
+            self._server_owned = {i for layer in ps_layers for i in layer.param_ids}
+        if on_ps:
+            await self._start_ps()
+        self._planned = True
+        log.info("rank %d: schemes %s", self.rank, plan)
+
+    async def _choose_schemes(self, batch) -> None:
+        """HybComm: BestScheme per layer from K, the rows each rank's first batch gives it (max over ranks)."""
         rows = await self._loop.run_in_executor(self._compute, self._measure_rows, batch)
         seen = await self._rdzv.exchange("rows", json.dumps(rows), range(self.world))
         k = {name: max(json.loads(seen[r]).get(name, 0) for r in seen) for name in rows}
@@ -540,19 +727,6 @@ class Trainer:
             if self.mode != "poseidon" and scheme is not Scheme.PS:
                 raise ConfigError(f"mode {self.mode!r} syncs every layer by PS; use mode='poseidon' for {scheme.value} overrides")
             self.schemes[layer.index] = scheme
-        plan = json.dumps({layer.name: self.schemes[layer.index].value for layer in self.layers})
-        await self._rdzv.check_digest("scheme plan", plan)
-        ps_layers = [layer for layer in self.layers if self.schemes[layer.index] is Scheme.PS]
-        adam_layers = [layer for layer in self.layers if self.schemes[layer.index] is Scheme.ADAM]
-        # Plain-PS layers first, so any run of them a merge plan groups is consecutive in the manifest.
-        on_ps = ps_layers + adam_layers
-        self._ps_index = {i: j for j, i in enumerate(i for layer in on_ps for i in layer.param_ids)}
-        self._factored = [[n for n, _ in layer.params] for layer in adam_layers]
-        self._set_groups([[layer] for layer in ps_layers] if self.merge != "single" or not ps_layers else [ps_layers])
-        if on_ps:
-            await self._start_ps()
-        self._planned = True
-        log.info("rank %d: schemes %s", self.rank, plan)
 
     # -- MG-WFBP ---------------------------------------------------------------------------
 
@@ -563,13 +737,21 @@ class Trainer:
     async def _start_ps(self) -> None:
         """(Re)start the parameter server with one message per merge group and shard."""
         names = [[n for layer in group for n, _ in layer.params] for group in self._groups if len(group) > 1]
-        manifest = Manifest.of_arrays(self._named[i] for i in sorted(self._ps_index, key=self._ps_index.get))
+        on_ps = sorted(self._ps_index, key=self._ps_index.get)
+        manifest = Manifest.of_arrays(self._named[i] for i in on_ps)
+        saved = (self._restored or {}).get("shard") if self._generation == 0 else None
         self._node = await PSNode.start(
             manifest, self.ps_config, net=self.net, groups=names or None, start_clock=self.clock,
             rendezvous=self._rdzv.scoped(f"ps{self._generation}"), process_shaper=self._shaper,
-            factored=self._factored or None,
+            factored=self._factored or None, shard_state={k: v.numpy() for k, v in saved.items()} if saved else None,
         )
         self._shard_bytes_seen = 0
+        if self.ps_config.server_sgd is not None and not self._node.resumed and self.rank == 0:
+            # The shards start from rank 0's parameters (everyone's, after the start-up broadcast);
+            # a rank's PARAMS frame reaches each shard before its first push on the same link.
+            owned = [self._ps_index[i] for i in sorted(self._server_owned)]
+            values = [self._named[i][1].detach().numpy() for i in sorted(self._server_owned)]
+            await self._node.client.broadcast(owned, values, self.clock)
 
     async def _calibrate(self) -> list:
         """Round trips around the ring of ranks, shaped like a parameter-server sync (a PUSH out,
@@ -670,7 +852,7 @@ class Trainer:
         self.model.train(False)  # evaluation mode: no side effects on BatchNorm statistics
         try:
             with torch.no_grad():
-                self.model(batch[0])
+                self._loss(batch)
         finally:
             self.model.train(was)
         return {cap.layer.name: sum(cap.rows) for cap in self._captures.values()}
@@ -678,6 +860,8 @@ class Trainer:
     # -- timeline ---------------------------------------------------------------------------
 
     def _trace(self, state: _Step, done: float) -> None:
+        if not self.trace_path:
+            return
         us = lambda t: round((t - self._t0) * 1e6, 1)  # noqa: E731
         pid = self.rank
         ev = self.trace_events
@@ -685,3 +869,78 @@ class Trainer:
         for label, scheme, ready, start, end in state.spans:
             ev.append({"name": f"{label} ready", "ph": "i", "s": "t", "pid": pid, "tid": "compute", "ts": us(ready)})
             ev.append({"name": f"sync {label} ({scheme.value})", "ph": "X", "pid": pid, "tid": f"sync {scheme.value}", "ts": us(start), "dur": us(end or done) - us(start), "args": {"clock": state.clock}})
+
+    async def _align_trace_clock(self) -> None:
+        """Put this rank's trace timestamps in rank 0's time base (NTP's estimate: of ``_PINGS``
+        round trips to rank 0 over the mesh, the fastest bounds the offset best)."""
+        timeout = self.ps_config.rendezvous_timeout
+        if self.rank == 0:
+            async def serve(conn) -> None:
+                for i in range(_PINGS):
+                    await asyncio.wait_for(conn.expect(Kind.DATA, _TRACE_KEY, i), timeout)
+                    now = np.array([time.perf_counter(), self._t0])
+                    await conn.send(Kind.DATA, now, key=_TRACE_KEY, clock=i, dtype=DType.FLOAT64)
+
+            try:
+                await asyncio.gather(*(serve(conn) for conn in self._mesh.peers.values()))
+            except TimeoutError:
+                raise SyncTimeout(f"rank 0: a rank did not time its trace clock against rank 0 within {timeout} s") from None
+            return
+        conn = self._mesh.peers[0]
+        best = None
+        for i in range(_PINGS):
+            reply = conn.expect(Kind.DATA, _TRACE_KEY, i)
+            sent = time.perf_counter()
+            await conn.send(Kind.DATA, b"", key=_TRACE_KEY, clock=i)
+            try:
+                frame = await asyncio.wait_for(reply, timeout)
+            except TimeoutError:
+                raise SyncTimeout(f"rank {self.rank}: rank 0 did not answer a trace clock ping within {timeout} s") from None
+            back = time.perf_counter()
+            remote, origin = np.frombuffer(frame.payload, dtype=np.float64)
+            if best is None or back - sent < best[0]:
+                best = (back - sent, remote - (sent + back) / 2, origin)
+        _, offset, origin = best
+        self._t0 = origin - offset  # rank 0's trace origin, read on this rank's clock
+
+    def _trace_file(self, rank: Optional[int] = None) -> str:
+        if rank is None or self.world == 1:
+            return self.trace_path
+        base, ext = os.path.splitext(self.trace_path)
+        return f"{base}.rank{rank}{ext or '.json'}"
+
+    async def _write_trace(self, gather: bool) -> None:
+        """Rank 0 writes one file with every rank's events (a process each, ``pid`` = rank); when the
+        job failed, or a rank's events do not arrive, each rank writes ``<trace>.rank<r>.json``."""
+        mine = list(self.trace_events)
+        events = {self.rank: mine}
+        gathered = gather and self._mesh is not None and self.world > 1
+        if gathered and self.rank != 0:
+            try:
+                payload = json.dumps(mine).encode()
+                await asyncio.wait_for(
+                    self._mesh.peers[0].send(Kind.DATA, payload, key=_TRACE_KEY, clock=_TRACE_GATHER_CLOCK, dtype=DType.JSON),
+                    self.ps_config.sync_timeout,
+                )
+                return
+            except (PoseidonError, TimeoutError) as exc:
+                log.warning("rank %d: could not send the trace to rank 0 (%s); writing %s", self.rank, exc, self._trace_file(self.rank))
+                gathered = False
+        if gathered:
+            waits = {r: conn.expect(Kind.DATA, _TRACE_KEY, _TRACE_GATHER_CLOCK) for r, conn in self._mesh.peers.items()}
+            done, _ = await asyncio.wait(waits.values(), timeout=self.ps_config.sync_timeout)
+            for r, fut in waits.items():
+                if fut in done and fut.exception() is None:
+                    events[r] = json.loads(bytes(fut.result().payload))
+                else:
+                    fut.cancel()
+                    log.warning("rank 0: rank %d's trace events did not arrive; the trace has no row for it", r)
+        path = self.trace_path if gathered else self._trace_file(self.rank)
+        names = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in sorted(events)]
+        body = {"traceEvents": names + [e for r in sorted(events) for e in events[r]], "displayTimeUnit": "ms"}
+        await self._loop.run_in_executor(None, _write_json, path, body)
+
+
+def _write_json(path: str, body: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(body, f)

@@ -148,6 +148,10 @@ def byte_view(payload) -> memoryview:
     if view.ndim != 1 or view.format != "B":
         if not view.c_contiguous:
             raise LocalProtocolError("payload buffers must be C-contiguous")
+        if view.nbytes == 0:
+            # memoryview refuses to cast a view with a zero in its shape (a (0, N) array: an
+            # SFB layer this rank did not use contributes K = 0 rows).
+            return memoryview(bytearray(0))
         view = view.cast("B")
     return view
 

@@ -1,0 +1,100 @@
+"""Trainer checkpoints: one file per rank and clock, written atomically, read without executing code.
+
+Layout: ``<dir>/step-<clock>/rank-<r>.pt`` (``torch.save`` of the rank's state) beside
+``rank-<r>.json`` (clock, rank, world size, model digest, SHA-256 of the ``.pt``), the JSON written
+last. A rank's checkpoint at a clock counts only when both files exist and agree, so a process
+killed mid-write leaves the previous checkpoint in force. Files are read with
+``torch.load(weights_only=True)``: tensors and plain containers only, no code runs.
+
+Every rank writes its own file, so the layout works with or without a shared file system; at
+restore the ranks agree, through the rendezvous, on the newest clock all of them have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError
+from ..ps.checkpoint import fsync_dir, newest_common, write_atomic
+
+FORMAT = 1
+
+__all__ = ["complete_clocks", "newest_common", "prune", "read", "write"]
+
+
+def _step_dir(root: str, clock: int) -> Path:
+    return Path(root) / f"step-{clock:010d}"
+
+
+def write(root: str, clock: int, rank: int, world: int, model_digest: str, state: dict) -> Path:
+    """Write rank ``rank``'s ``state`` at ``clock``; return the ``.pt`` path."""
+    where = _step_dir(root, clock)
+    where.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    blob = buf.getvalue()
+    data = where / f"rank-{rank}.pt"
+    write_atomic(data, blob)
+    meta = {"format": FORMAT, "clock": clock, "rank": rank, "world": world, "model": model_digest, "sha256": hashlib.sha256(blob).hexdigest()}
+    write_atomic(where / f"rank-{rank}.json", json.dumps(meta).encode())
+    fsync_dir(where)
+    return data
+
+
+def _meta(root: str, clock: int, rank: int):
+    try:
+        return json.loads((_step_dir(root, clock) / f"rank-{rank}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def complete_clocks(root: str, rank: int, world: int, model_digest: str) -> list:
+    """Clocks at which rank ``rank`` has a complete checkpoint of this model and world size."""
+    base = Path(root)
+    if not base.is_dir():
+        return []
+    clocks = []
+    for where in base.glob("step-*"):
+        try:
+            clock = int(where.name.split("-", 1)[1])
+        except ValueError:
+            continue
+        meta = _meta(root, clock, rank)
+        if meta and meta.get("world") == world and meta.get("model") == model_digest and (where / f"rank-{rank}.pt").is_file():
+            clocks.append(clock)
+    return sorted(clocks)
+
+
+def read(root: str, clock: int, rank: int) -> dict:
+    """Rank ``rank``'s state at ``clock``.
+
+    Raises:
+        CheckpointError: the files are missing or do not match their manifest.
+    """
+    where = _step_dir(root, clock)
+    meta = _meta(root, clock, rank)
+    try:
+        blob = (where / f"rank-{rank}.pt").read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"rank {rank} has no checkpoint at clock {clock} in {where}: {exc.strerror}") from None
+    if meta is None or hashlib.sha256(blob).hexdigest() != meta.get("sha256"):
+        raise CheckpointError(f"{where / f'rank-{rank}.pt'} does not match its manifest (corrupt or half written)")
+    return torch.load(io.BytesIO(blob), weights_only=True)
+
+
+def prune(root: str, rank: int, keep: int) -> None:
+    """Remove this rank's checkpoints but the newest ``keep`` (and steps no rank has files in)."""
+    base = Path(root)
+    steps = sorted(base.glob("step-*"))
+    for where in steps[: max(0, len(steps) - keep)]:
+        for suffix in (".json", ".pt"):  # the manifest first: a step without it no longer counts
+            (where / f"rank-{rank}{suffix}").unlink(missing_ok=True)
+        try:
+            where.rmdir()  # the last rank out removes the step (ranks may share one directory)
+        except OSError:
+            pass
