@@ -76,7 +76,10 @@ def ssp_worker(rank: int, shapes, config: PSConfig, schedules):
     return run(main())
 
 
-def straggler_worker(rank: int, shapes, config: PSConfig, slow_rank: int, slow_clock: int, pause: float, clocks: int):
+def straggler_worker(rank: int, shapes, config: PSConfig, slow_rank: int, slow_clock: int, clocks: int):
+    """``slow_rank`` holds its push of ``slow_clock`` back until the shards have dropped it from
+    that clock (an event, not a pause: on a loaded machine no sleep is surely long enough)."""
+
     async def main():
         manifest = manifest_of(shapes)
         out, dropped = {}, {}
@@ -84,7 +87,9 @@ def straggler_worker(rank: int, shapes, config: PSConfig, slow_rank: int, slow_c
             for clock in range(clocks):
                 await node.client.gate(clock)
                 if rank == slow_rank and clock == slow_clock:
-                    await asyncio.sleep(pause)
+                    async with asyncio.timeout(60):
+                        while slow_clock not in node.client.dropped:
+                            await asyncio.sleep(0.01)
                 tasks = []
                 for i, shape in enumerate(shapes):
                     out[(clock, i)] = np.empty(shape, dtype=np.float32)

@@ -75,16 +75,17 @@ def test_ssp_bound_holds_under_generated_delay_schedules(staleness, schedules):
 
 def test_a_straggler_is_dropped_reported_and_its_late_push_discarded():
     shapes = [(64, 32)]
-    config = PSConfig(shards=1, stragglers=StragglerPolicy(deadline=0.3, quorum=2))
-    clocks = 10
-    res = run_workers(3, straggler_worker, shapes, config, 2, 1, 1.0, clocks, timeout=120)
+    # 2 s: far more than a loaded machine puts between prompt ranks, so only the held-back push
+    # of clock 1 is ever dropped.
+    config = PSConfig(shards=1, stragglers=StragglerPolicy(deadline=2.0, quorum=2))
+    clocks = 6
+    res = run_workers(3, straggler_worker, shapes, config, 2, 1, clocks, timeout=120)
     out0, dropped0, late0 = res[0]
     # Clock 1 finalized without rank 2: the mean over ranks 0 and 1, reported to everyone.
     expected = np.mean([grad(r, 1, 0, shapes[0]).astype(np.float64) for r in (0, 1)], axis=0)
     np.testing.assert_allclose(np.frombuffer(out0[(1, 0)], np.float32).reshape(shapes[0]), expected, atol=1e-6)
     assert all(res[r][1].get(1) == {2} for r in range(3))
-    # Before it stalled, and once it has caught up (it skips no work: the others' 0.3 s
-    # deadline-paced clocks let it gain on them), everyone contributes again.
+    # Before it stalled, and once it has caught up (it skips no work), everyone contributes again.
     assert all(not res[r][1].get(c) for r in range(3) for c in (0, clocks - 1))
     assert late0 >= 1  # shard 0 (on rank 0) counted the late push
     assert res[2][0] == out0  # the straggler ends with the same aggregates

@@ -138,3 +138,69 @@ async def test_adaptive_deadline_learns_from_arrival_spread():
     for c in clients:
         await c.close()
     await shard.close()
+
+
+async def test_a_worker_that_never_connects_is_ejected_and_its_outbox_stays_bounded():
+    # Before this bound, a shard under a straggler policy queued every reply for a worker that
+    # never came: ~4 KiB a clock here, ~64 KiB a clock for a small CNN, without end.
+    numel = 1024
+    book = InformationBook(Manifest([ParamSpec("w", (numel,))]), workers=3, shards=1)
+    limit = 3 * numel * 4
+    config = PSConfig(stragglers=StragglerPolicy(deadline=0.05, quorum=2), outbox_bytes=limit)
+    shard = KVShard(0, book, config)
+    clients = []
+    for r in range(2):  # rank 2 never attaches
+        client, server = await connected_pair(net_config(), net_config(), seed=r, client_rank=r, server_rank=99)
+        shard.attach(server)
+        clients.append(client)
+    grad = np.ones(numel, dtype=np.float32)
+    for clock in range(8):
+        waits = [c.expect(Kind.AGGREGATE, 0, clock) for c in clients]
+        for c in clients:
+            await c.send(Kind.PUSH, grad, key=0, clock=clock, dtype=DType.FLOAT32)
+        await asyncio.gather(*waits)
+        assert shard.outbox_bytes(2) <= limit
+    assert shard.stats.ejected == [2] and shard.outbox_bytes(2) == 0
+    assert shard.stats.finalized == 8
+    # It is told why if it comes after all.
+    late, server = await connected_pair(net_config(), net_config(), client_rank=2, server_rank=99)
+    shard.attach(server)
+    with pytest.raises(ConnectionLost, match="ejected rank 2"):
+        await late.recv(timeout=10)
+    for c in [*clients, late]:
+        await c.close()
+    await shard.close()
+
+
+async def test_a_worker_that_stops_reading_fails_the_job_naming_it_under_bsp():
+    numel = 64 * 1024  # 256 KiB a reply
+    book = InformationBook(Manifest([ParamSpec("w", (numel,))]), workers=2, shards=1, chunk_bytes=1 << 20)
+    shard = KVShard(0, book, PSConfig(outbox_bytes=2 * numel * 4))
+    small = dict(write_high_water=256 * 1024, write_low_water=64 * 1024)
+    clients, servers = [], []
+    for r in range(2):
+        client, server = await connected_pair(net_config(), net_config(**small), seed=r, client_rank=r, server_rank=99)
+        shard.attach(server)
+        clients.append(client)
+        servers.append(server)
+    clients[1]._transport.pause_reading()  # rank 1 hangs: it still pushes, but reads nothing
+    grad = np.ones(numel, dtype=np.float32)
+    notice = None
+    for clock in range(40):
+        wait = clients[0].expect(Kind.AGGREGATE, 0, clock)
+        for c in clients:
+            await c.send(Kind.PUSH, grad, key=0, clock=clock, dtype=DType.FLOAT32)
+        await wait
+        assert shard.outbox_bytes(1) <= 2 * numel * 4
+        # The shard gives up on rank 1 while it replies to both for a clock; the notice to rank 0
+        # follows that clock's aggregate on the same link.
+        if servers[1].error is not None:
+            notice = await clients[0].recv(timeout=10)
+            break
+    assert notice is not None and notice.kind is Kind.CONTROL, "the shard never gave up on rank 1"
+    text = bytes(notice.payload).decode()
+    assert '"failed"' in text and "rank 1 fell" in text and "outbox bound" in text
+    assert "outbox bound" in str(servers[1].error)
+    for c in clients:
+        c.abort()
+    await shard.close()

@@ -43,6 +43,16 @@ class PushResult:
     remote_bytes_received: int = 0
 
 
+# Notices are kept for the newest clocks only: a job that drops a straggler at every clock for days
+# must not grow a dict by a clock each time. A push reads its clock's notice within sync_timeout.
+NOTICES_KEPT = 1024
+
+
+def _keep_newest(notices: dict) -> None:
+    while len(notices) > NOTICES_KEPT:
+        del notices[next(iter(notices))]
+
+
 def _scatter(pending: list) -> None:
     """Copy each staging buffer of a multi-key message back into its keys' slices."""
     for into, outs in pending:
@@ -75,6 +85,7 @@ class PSClient:
         self.rank = rank
         self.book = book
         self.config = config
+        #: ``{clock: ranks}`` a shard dropped from that clock's aggregation (the newest 1024 clocks).
         self.dropped: dict = {}
         self._conns = conns
         self._loop = asyncio.get_running_loop()
@@ -310,9 +321,11 @@ class PSClient:
         if kind == "dropped":
             ranks = [int(r) for r in info["ranks"]]
             self.dropped.setdefault(int(info["clock"]), set()).update(ranks)
+            _keep_newest(self.dropped)
             log.warning("rank %d: ranks %s were dropped from clock %s (shard %s)", self.rank, ranks, info["clock"], info["shard"])
         elif kind == "stalled":
             self._stalls[(int(info["message"]), int(info["clock"]))] = info
+            _keep_newest(self._stalls)
         elif kind == "failed":
             if not self._failure.done():
                 self._failure.set_exception(WorkerLeft(f"rank {self.rank} was told by shard {info['shard']}: {info['reason']}"))

@@ -85,6 +85,10 @@ class PSConfig:
         placement: ``"balanced"`` or ``"tensor"`` (see :class:`InformationBook`).
         standalone_shards: the ``shards`` shards run in their own processes
             (``poseidon-aio shard --index S``) instead of inside workers.
+        outbox_bytes: the most reply bytes a shard queues for one worker that is slow, gone or
+            not yet connected; past it the worker is ejected (with a straggler policy) or the
+            job fails naming it. Default: what a healthy worker can be owed, ``(staleness + 2)``
+            clocks of the shard's replies plus 1 MiB.
     """
 
     shards: Optional[int] = None
@@ -98,6 +102,7 @@ class PSConfig:
     rendezvous_timeout: float = 60.0
     placement: str = "balanced"
     standalone_shards: bool = False
+    outbox_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.shards is not None and self.shards < 1:
@@ -110,6 +115,8 @@ class PSConfig:
             raise ConfigError("PSConfig.checkpoint_every needs checkpoint_dir")
         if self.sync_timeout <= 0 or self.rendezvous_timeout <= 0:
             raise ConfigError("PSConfig timeouts must be > 0 seconds")
+        if self.outbox_bytes is not None and self.outbox_bytes < 1:
+            raise ConfigError(f"PSConfig.outbox_bytes must be >= 1 byte, got {self.outbox_bytes}")
 
     def shards_for(self, workers: int) -> int:
         shards = self.shards or workers

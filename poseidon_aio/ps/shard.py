@@ -31,6 +31,7 @@ from ..net import Endpoint
 from ..wire import DType, Frame, Header, Kind
 from . import checkpoint
 from .config import PSConfig
+from .outbox import Outbox, frame_bytes
 
 log = logging.getLogger("poseidon_aio.ps")
 
@@ -49,7 +50,8 @@ class ShardStats:
     bytes_out: int = 0
     remote_bytes_in: int = 0  # payload bytes that crossed a network (not the in-process link)
     remote_bytes_out: int = 0
-    checkpoints: list = field(default_factory=list)
+    checkpoints: deque = field(default_factory=lambda: deque(maxlen=64))  # the newest clocks written
+    ejected: list = field(default_factory=list)  # ranks ejected for falling behind (at most P1)
 
 
 class _Pending:
@@ -135,7 +137,8 @@ class KVShard:
         self._ever: set = set()
         self._all_left = asyncio.Event()
         self._departed: dict = {}
-        self._outbox: dict = {}
+        self._outboxes = {r: Outbox(r, self._outbox_limit(), self._sent) for r in range(self.workers)}
+        self._ejected: dict = {}  # rank -> why
         self._pending: dict = {}
         self._free_slots: dict = {}
         self._replies = _ReplyBuffers()
@@ -183,17 +186,20 @@ class KVShard:
         if old is not None and old.is_open:
             conn.fail(RemoteProtocolError(f"rank {rank} is already connected to shard {self.index}"))
             return
+        if rank in self._ejected:
+            conn.fail(RemoteProtocolError(self._ejected[rank]))
+            return
         self._conns[rank] = conn
         self._ever.add(rank)
         conn.set_handler(lambda f: self._on_frame(conn, f), allocate=lambda h: self._allocate(conn, h))
         conn.on_close(self._on_lost)
-        for frames in self._outbox.pop(rank, []):
-            self._deliver(rank, frames)
+        self._outboxes[rank].attach(conn)
 
     def _on_lost(self, conn: Endpoint) -> None:
         rank = conn.peer_rank
         if self._conns.get(rank) is conn:
             del self._conns[rank]
+            self._outboxes[rank].detach()
         if len(self._ever) == self.workers and not self._conns:
             self._all_left.set()
         if self._closed or self.config.stragglers.enabled:
@@ -227,6 +233,8 @@ class KVShard:
 
     async def close(self) -> None:
         self._closed = True
+        for box in self._outboxes.values():
+            await box.close()
         for p in self._pending.values():
             for timer in p.timers:
                 timer.cancel()
@@ -409,9 +417,9 @@ class KVShard:
         p = self._pending.get((mid, clock))
         if p is None:
             return
-        if len(p.have) == self.workers:
-            contributors = list(range(self.workers))
-        elif p.deadline_passed and len(p.have) >= self._quorum:
+        # An ejected worker (straggler policy) is no longer waited for.
+        waiting = set(range(self.workers)) - p.have - (set(self._ejected) if self.config.stragglers.enabled else set())
+        if not waiting or (p.deadline_passed and len(p.have) >= self._quorum):
             contributors = sorted(p.have)
         else:
             return
@@ -540,24 +548,56 @@ class KVShard:
         return (Kind.CONTROL, body, 0, 0, DType.JSON)
 
     def _send(self, rank: int, frames: list) -> None:
-        if rank in self._conns:
-            self._deliver(rank, frames)
+        if rank in self._ejected:
+            return
+        if not self._outboxes[rank].put(frames):
+            self._overflow(rank)
+
+    def _sent(self, frame: tuple, conn: Endpoint) -> None:
+        if frame[0] is not Kind.CONTROL:
+            nbytes = frame_bytes(frame)
+            self.stats.bytes_out += nbytes
+            if not conn.is_local:
+                self.stats.remote_bytes_out += nbytes
+
+    def _outbox_limit(self) -> int:
+        """Bytes a worker's outbox may hold: ``PSConfig.outbox_bytes``, or what a healthy worker
+        can be owed. Under BSP a worker pushes clock t+1 only once it holds every reply of clock
+        t, so it is owed at most two clocks' replies of this shard (one being read, one made);
+        SSP adds ``staleness`` clocks. 1 MiB more covers notices and start-up parameters."""
+        if self.config.outbox_bytes is not None:
+            return self.config.outbox_bytes
+        per_clock = sum(m.nbytes for m in self._messages.values())
+        return (self.config.staleness + 2) * per_clock + (1 << 20)
+
+    def _overflow(self, rank: int) -> None:
+        """Worker ``rank`` fell further behind than its outbox allows: eject it under a straggler
+        policy, fail the job naming it otherwise. Either way its queued replies are freed."""
+        box = self._outboxes[rank]
+        held, limit = box.nbytes, box.limit
+        box.clear()
+        gone = self._conns.get(rank)
+        if self.config.stragglers.enabled:
+            reason = (
+                f"shard {self.index} ejected rank {rank}: it fell {held} bytes of replies behind, more than the "
+                f"outbox bound of {limit} bytes (PSConfig.outbox_bytes); the job goes on without it"
+            )
+            self._ejected[rank] = reason
+            self.stats.ejected.append(rank)
+            log.error("shard %d: %s", self.index, reason)
+            for mid in self._messages:  # whatever waited for it may finalize now
+                self._advance(mid)
         else:
-            self._outbox.setdefault(rank, []).append(frames)
-
-    def _deliver(self, rank: int, frames: list) -> None:
-        conn = self._conns[rank]
-
-        async def deliver():
-            for kind, payload, key, clock, dtype in frames:
-                await conn.send(kind, payload, key=key, clock=clock, dtype=dtype)
-                if kind is not Kind.CONTROL:
-                    nbytes = len(payload) if isinstance(payload, bytes) else payload.nbytes
-                    self.stats.bytes_out += nbytes
-                    if not conn.is_local:
-                        self.stats.remote_bytes_out += nbytes
-
-        self._track(deliver())
+            reason = (
+                f"rank {rank} fell {held} bytes of shard {self.index}'s replies behind, more than the outbox bound of "
+                f"{limit} bytes (PSConfig.outbox_bytes): it is hung, too slow, or never connected; restart the job, or "
+                "enable straggler dropping (PSConfig.stragglers) to go on without it"
+            )
+            self._ejected[rank] = reason
+            self._departed[rank] = reason
+            self._report_departed(rank, range(self.workers))
+        if gone is not None:
+            gone.fail(RemoteProtocolError(reason))
 
     def _track(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -577,6 +617,10 @@ class KVShard:
     def _describe(self, m: Message) -> str:
         names = sorted({self.book.manifest[self.book.pairs[k].param].name for k in m.keys})
         return f"keys {list(m.keys)} of {', '.join(names)}"
+
+    def outbox_bytes(self, rank: int) -> int:
+        """Payload bytes of replies queued for worker ``rank`` and not yet handed to its link."""
+        return self._outboxes[rank].nbytes
 
     def pending_ranks(self) -> dict:
         """``{(message, clock): ranks still missing}``: what the shard is waiting for."""
