@@ -89,11 +89,14 @@ async def distributed(args, train, test):
     opt, sched = make_optimizer(model)
     sched.T_max = args.epochs
     steps = len(train[1]) // args.batch
-    bar = None
+    bar, every = None, 0
     if rank == 0 and not args.quiet:
-        from tqdm import tqdm
+        if sys.stdout.isatty():
+            from tqdm import tqdm
 
-        bar = tqdm(total=steps * args.epochs, desc=f"{world} workers, {args.mode}", unit="step", file=sys.stdout, mininterval=1.0)
+            bar = tqdm(total=steps * args.epochs, desc=f"{world} workers, {args.mode}", unit="step", file=sys.stdout, mininterval=1.0)
+        else:  # a log file: a line per tenth of the run, not a bar redrawn with carriage returns
+            every = max(1, steps * args.epochs // 10)
     started, stalled, moved, schemes = time.perf_counter(), 0.0, {}, {}
     async with poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, mode=args.mode) as trainer:
         for epoch in range(args.epochs):
@@ -109,6 +112,8 @@ async def distributed(args, train, test):
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(epoch=epoch + 1, loss=f"{np.mean(losses):.3f}")
+                elif every and (stats.clock + 1) % every == 0:
+                    print(f"step {stats.clock + 1}/{steps * args.epochs} epoch {epoch + 1} loss {np.mean(losses):.3f}", flush=True)
             sched.step()
     if bar is not None:
         bar.close()

@@ -1,6 +1,6 @@
 """``poseidon-aio``: the command line.
 
-    poseidon-aio info [--require-extension]   which codec and event loop this install uses
+    poseidon-aio info [--require-extension]   versions, codec, event loop, network interfaces
     poseidon-aio shard --index S              host one parameter-server shard (standalone layout)
     poseidon-aio explain --fc 4096x4096 ...   per-layer cost model and scheme choice
     poseidon-aio run -n 4 script.py [args]    N local workers of a script, through torchrun
@@ -13,15 +13,56 @@ import sys
 
 
 def _info(args: argparse.Namespace) -> int:
+    import platform
+
     from . import __version__
     from .net import LOOP
     from .wire import CODEC, CODECS
 
     print(f"poseidon_aio {__version__}: codec {CODEC} (built: {', '.join(sorted(CODECS))}), loop {LOOP}")
+    versions = {"python": platform.python_version()}
+    for name in ("torch", "numpy", "uvloop", "cupy"):
+        versions[name] = _version_of(name)
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    print("interfaces: " + (", ".join(f"{name} {addr}" for name, addr in _interfaces()) or "none found"))
     if args.require_extension and "cython" not in CODECS:
         print("the compiled codec is not built: is a C compiler installed?", file=sys.stderr)
         return 1
     return 0
+
+
+def _version_of(package: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _interfaces() -> list:
+    """``[(name, IPv4 address or "-")]`` of this host's network interfaces (Linux: an ioctl per
+    interface; elsewhere the names only)."""
+    import socket
+    import struct
+
+    out = []
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return out
+    for name in names:
+        addr = "-"
+        try:
+            import fcntl
+
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+                addr = socket.inet_ntoa(packed[20:24])
+        except (ImportError, OSError):
+            pass
+        out.append((name, addr))
+    return out
 
 
 def _shard(args: argparse.Namespace) -> int:
@@ -99,25 +140,69 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """N local workers through torchrun (in this process, so a failure reads as one line per rank)."""
+    import logging
     import os
+    import secrets
+    import shutil
     import socket
-    import subprocess
+    import tempfile
 
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+
+    from .net.credentials import TOKEN_ENV, TOKEN_FILE_ENV, self_signed, tls_env, token_from_env
+
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if args.token_file:
+        env[TOKEN_FILE_ENV] = os.path.abspath(args.token_file)
+        token_from_env({TOKEN_FILE_ENV: env[TOKEN_FILE_ENV]})  # unreadable or short: say so now
+    elif not (os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_FILE_ENV)):
+        # A fresh token for this job's local workers, handed over in their environment (readable
+        # by this user and root only), never through the rendezvous store.
+        env[TOKEN_ENV] = secrets.token_hex(32)
+    tls_dir = None
+    if args.tls:
+        tls_dir = tempfile.mkdtemp(prefix="poseidon-tls-")  # mode 0700
+        env.update(tls_env(self_signed(tls_dir)))
+    if args.trace:
+        env["POSEIDON_TRACE"] = os.path.abspath(args.trace)
+    env["POSEIDON_ERRORS"] = "full" if args.debug else "brief"
+    os.environ.update(env)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = args.master_port or s.getsockname()[1]
-    command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", "--nnodes=1",
-        "--master-addr=127.0.0.1", f"--master-port={port}", args.script, *args.script_args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.call(command, env=env)
+    torch_args = get_args_parser().parse_args([
+        f"--nproc-per-node={args.nproc}", "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}",
+        args.script, *args.script_args,
+    ])
+    if not args.debug:
+        # torchrun's agent logs each SIGTERM it sends and a report per failure; the ranks have
+        # already said what went wrong, in one line each.
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        torchrun(torch_args)
+        return 0
+    except ChildFailedError as exc:
+        if args.debug:
+            raise
+        codes = {rank: failure.exitcode for rank, failure in sorted(exc.failures.items())}
+        print(
+            f"poseidon-aio run: rank(s) {sorted(codes)} of {args.script} failed (exit codes {list(codes.values())}); "
+            "their errors are above, --debug shows full tracebacks",
+            file=sys.stderr,
+        )
+        return 1
+    finally:
+        if tls_dir is not None:
+            shutil.rmtree(tls_dir, ignore_errors=True)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="poseidon-aio", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="which codec and event loop are active")
+    info = sub.add_parser("info", help="versions, the codec and event loop in use, network interfaces")
     info.add_argument("--require-extension", action="store_true", help="fail if the Cython codec is not built")
     info.set_defaults(func=_info)
     shard = sub.add_parser("shard", help="run one parameter-server shard in this process")
@@ -138,6 +223,10 @@ def main(argv=None) -> int:
     runner = sub.add_parser("run", help="start N local workers of a script (a thin wrapper over torchrun)")
     runner.add_argument("-n", "--nproc", type=int, required=True)
     runner.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
+    runner.add_argument("--token-file", help="file holding the cluster token (default: $POSEIDON_TOKEN, else a fresh one)")
+    runner.add_argument("--tls", action="store_true", help="TLS on every connection, with a self-signed certificate made for this run")
+    runner.add_argument("--trace", metavar="PATH", help="write one Chrome/Perfetto trace of every rank there")
+    runner.add_argument("--debug", action="store_true", help="full tracebacks and torchrun's own reports on failure")
     runner.add_argument("script")
     runner.add_argument("script_args", nargs=argparse.REMAINDER)
     runner.set_defaults(func=_run)

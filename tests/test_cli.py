@@ -40,11 +40,36 @@ def test_explain_a_preset_keeps_convolutions_on_the_ps():
 
 
 @pytest.mark.slow
-def test_the_main_job_runs_through_poseidon_aio_run():
+def test_the_main_job_runs_through_poseidon_aio_run_over_tls_with_one_trace(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("POSEIDON_TOKEN", None)  # `run` draws the job's token itself
+    trace = tmp_path / "digits.json"
     done = subprocess.run(
-        [sys.executable, "-m", "poseidon_aio.cli", "run", "-n", "2", "examples/digits.py", "--epochs", "2", "--quiet"],
+        [sys.executable, "-m", "poseidon_aio.cli", "run", "--tls", "--trace", str(trace), "-n", "2", "examples/digits.py", "--epochs", "2"],
         capture_output=True, text=True, timeout=240, cwd=ROOT, env=env,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "test accuracy: 2 workers (poseidon)" in done.stdout and "OK: within 1 point" in done.stdout
+    # Not a terminal: progress comes as whole lines, never a bar redrawn with carriage returns.
+    assert "\r" not in done.stdout and done.stdout.count("loss") >= 5
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}
+
+
+@pytest.mark.slow
+def test_a_failing_job_says_why_in_one_line_per_rank():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "poseidon_aio.cli", "run", "-n", "2", "tests/data/mismatched_ranks.py"],
+        capture_output=True, text=True, timeout=240, cwd=ROOT, env=env,
+    )
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.splitlines() if line.startswith("poseidon_aio rank")]
+    assert lines and all("ManifestMismatch" in line and "rank 1's model differs" in line for line in lines), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "poseidon-aio run: rank(s)" in done.stderr
+
+
+def test_info_names_versions_and_interfaces():
+    out = cli("info").stdout
+    assert "versions: python" in out and "torch" in out and "interfaces: " in out and "lo 127.0.0.1" in out
