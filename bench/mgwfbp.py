@@ -66,7 +66,8 @@ def _worker(rank: int, world: int, port: int, scheme: str, args: dict, out) -> N
     from torch import nn
 
     import poseidon_aio
-    from poseidon_aio.net import Shaper, TokenBucket
+    from poseidon_aio.net import ShaperConfig
+    from poseidon_aio.sync import MergeConfig
 
     torch.set_num_threads(1)
     dilation, rate = args["dilation"], args["tflops"] * 1e12
@@ -100,22 +101,20 @@ def _worker(rank: int, world: int, port: int, scheme: str, args: dict, out) -> N
 
     # The paper's ``a`` is the start-up of one layer's synchronization: each push pays it, as link
     # time before its bytes (T = a + b p per message, messages one after another on the link).
-    shaper = Shaper(egress=TokenBucket(10e9 / 8 / dilation, 256 * 1024, message_cost=alpha, costed_kinds={Kind.PUSH}))
-    mode, merge = ("wfbp", None) if scheme == "wfbp" else ("mgwfbp", {"single": "single", "mgwfbp": "algorithm1", "optimal": "optimal"}[scheme])
+    link = ShaperConfig(egress_rate=10e9 / 8 / dilation, message_cost=alpha, costed_kinds=frozenset({Kind.PUSH}))
+    mode, kind = ("wfbp", "none") if scheme == "wfbp" else ("mgwfbp", {"single": "single", "mgwfbp": "algorithm1", "optimal": "optimal"}[scheme])
+    merge = MergeConfig(kind=kind, after=args["measure"], calibration_sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20))
     x = torch.zeros(ROWS, 1, requires_grad=True)
     loss_fn = lambda out, _: out.sum()  # noqa: E731
 
     async def main():
         times = []
-        async with poseidon_aio.Trainer(
-            model, opt, loss_fn, mode=mode, merge=merge, merge_after=args["measure"], shaper=shaper,
-            broadcast_buffers=False, calibration_sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20),
-        ) as trainer:
+        async with poseidon_aio.Trainer(model, opt, loss_fn, mode=mode, merge=merge, bandwidth=link, broadcast_buffers=False) as trainer:
             for _ in range(args["measure"] + args["steps"]):
                 started = time.perf_counter()
                 await trainer.step((x, None))
                 times.append((time.perf_counter() - started) / dilation)
-            groups = len(trainer._groups)
+            groups = len(trainer.merge_groups)
             info = trainer.merge_info
         return times[args["measure"]:], groups, info
 

@@ -37,6 +37,7 @@ def _worker(rank: int, world: int, port: int, steps: int, every: int, trace: str
     from torch import nn
 
     import poseidon_aio
+    from poseidon_aio.train import TraceConfig
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -50,7 +51,8 @@ def _worker(rank: int, world: int, port: int, steps: int, every: int, trace: str
 
     async def main():
         samples = []
-        async with poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, trace=trace or None, trace_ring=ring) as trainer:
+        trace_config = TraceConfig(trace or None, ring=ring)
+        async with poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, trace=trace_config) as trainer:
             started = time.perf_counter()
             for t in range(steps):
                 await trainer.step(batches[t % len(batches)])

@@ -25,6 +25,9 @@ __all__ = [
     "PeerTimeout",
     "SyncTimeout",
     "CheckpointError",
+    "ManifestMismatch",
+    "UnknownParameter",
+    "WorkerLeft",
 ]
 
 
@@ -34,6 +37,18 @@ class PoseidonError(Exception):
 
 class ConfigError(PoseidonError, ValueError):
     """A setting is invalid (raised before any process talks to another)."""
+
+
+class UnknownParameter(ConfigError, KeyError):
+    """A name that is not a parameter of the model's manifest."""
+
+    def __str__(self) -> str:  # KeyError would print the message in quotes
+        return str(self.args[0]) if self.args else ""
+
+
+class ManifestMismatch(PoseidonError):
+    """Ranks disagree about the model (a parameter's name, shape or dtype) or about a plan
+    computed from it (the information book, the scheme or merge plan)."""
 
 
 class ProtocolError(PoseidonError):
@@ -80,6 +95,10 @@ class PeerTimeout(PoseidonError, TimeoutError):
 
 class SyncTimeout(PoseidonError, TimeoutError):
     """A synchronization (push, pull, aggregate) did not complete in time."""
+
+
+class WorkerLeft(PoseidonError, ConnectionError):
+    """Another worker left the job (or fell too far behind); BSP cannot go on without it."""
 
 
 class CheckpointError(PoseidonError):

@@ -33,5 +33,25 @@ def test_sans_io_layers_import_no_asyncio_socket_or_torch(module):
     assert loaded == "[]", f"{module} pulled in {loaded}"
 
 
-def test_net_does_not_import_torch():
-    assert _python("import sys, poseidon_aio.net; print('torch' in sys.modules)") == "False"
+@pytest.mark.parametrize("module", ["poseidon_aio.net", "poseidon_aio.cluster", "poseidon_aio.ps", "poseidon_aio.sync"])
+def test_layers_below_the_trainer_import_no_torch(module):
+    # The rendezvous imports torch's TCPStore only when it opens one; the kernels are the
+    # trainer's to pass in.
+    assert _python(f"import sys, {module}; print('torch' in sys.modules)") == "False", f"{module} imports torch"
+
+
+def test_every_exception_the_library_defines_is_a_poseidon_error():
+    # Defined in errors.py, under PoseidonError; a private exception is control flow that never
+    # leaves its module (the handshake's _Malformed becomes a refusal).
+    code = (
+        "import inspect, pkgutil, importlib, poseidon_aio, poseidon_aio.errors as e\n"
+        "bad = []\n"
+        "for info in pkgutil.walk_packages(poseidon_aio.__path__, 'poseidon_aio.'):\n"
+        "    if info.name.endswith('._ccodec') or '.kernels.cuda' in info.name: continue\n"
+        "    mod = importlib.import_module(info.name)\n"
+        "    for name, obj in vars(mod).items():\n"
+        "        if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == info.name and not name.startswith('_'):\n"
+        "            if not issubclass(obj, e.PoseidonError) or info.name != 'poseidon_aio.errors': bad.append(f'{info.name}.{name}')\n"
+        "print(bad)"
+    )
+    assert _python(code) == "[]"

@@ -56,6 +56,7 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
     import poseidon_aio
     from poseidon_aio.cluster import ClusterEnv, Rendezvous
     from poseidon_aio.ps import PSConfig
+    from poseidon_aio.sync import MergeConfig
 
     torch.set_num_threads(1)
 
@@ -68,12 +69,10 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
             if overrides == "adam-first-linear":
                 overrides = {next(n for n, m in model.named_modules() if isinstance(m, nn.Linear)): "adam"}
             opt = make_optimizer(model)
-            merging = {"merge_after": 1, "calibration_sizes": (4096, 65536)} if mode in ("mgwfbp", "poseidon") else {}
-            if merge:
-                merging["merge"] = merge[0]
+            merging = MergeConfig(kind=merge[0] if merge else None, after=1, calibration_sizes=(4096, 65536))
             trainer = poseidon_aio.Trainer(
                 model, opt, nn.functional.cross_entropy, mode=mode, schemes=overrides,
-                ps=PSConfig(**ps_kwargs), rendezvous=rdzv.scoped(label), **merging,
+                ps=PSConfig(**ps_kwargs), rendezvous=rdzv.scoped(label), merge=merging,
             )
             stats = []
             async with trainer:
@@ -84,7 +83,7 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
                 "schemes": stats[-1].schemes,
                 "bytes": dict(trainer.bytes_total),
                 "losses": [s.loss for s in stats],
-                "groups": [[layer.name for layer in g] for g in trainer._groups],
+                "groups": trainer.merge_groups,
                 "info": trainer.merge_info,
             }
         await rdzv.leave()
@@ -160,6 +159,7 @@ def overlap_worker(rank: int, mode: str, trace_path: str):
     import json
 
     import poseidon_aio
+    from poseidon_aio.train import TraceConfig
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -171,7 +171,7 @@ def overlap_worker(rank: int, mode: str, trace_path: str):
 
     async def main():
         stats = []
-        async with poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, mode=mode, trace=trace_path) as trainer:
+        async with poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, mode=mode, trace=TraceConfig(trace_path)) as trainer:
             for t in range(3):
                 g = torch.Generator().manual_seed(t * 10 + rank)
                 stats.append(await trainer.step((torch.randn(32, 3, 16, 16, generator=g), torch.randint(0, 10, (32,), generator=g))))
@@ -187,6 +187,7 @@ def overlap_worker(rank: int, mode: str, trace_path: str):
 def budget_worker(rank: int, bandwidth: float):
     """A trainer under the bandwidth manager's per-process budget."""
     import poseidon_aio
+    from poseidon_aio.net import ShaperConfig
 
     torch.set_num_threads(1)
     spec = {"kind": "mlp", "inputs": 64, "hidden": [256], "classes": 4}
@@ -194,7 +195,7 @@ def budget_worker(rank: int, bandwidth: float):
 
     async def main():
         steps = []
-        async with poseidon_aio.Trainer(model, make_optimizer(model), nn.functional.cross_entropy, mode="wfbp", bandwidth=bandwidth) as trainer:
+        async with poseidon_aio.Trainer(model, make_optimizer(model), nn.functional.cross_entropy, mode="wfbp", bandwidth=ShaperConfig(egress_rate=bandwidth)) as trainer:
             for t in range(3):
                 steps.append(await trainer.step(batch(spec, 1, rank, t, 4)))
         return [p.detach().numpy().copy() for p in model.parameters()], [s.step_s for s in steps], [s.bytes["ps"] for s in steps]
@@ -340,6 +341,7 @@ def checkpoint_worker(rank: int, runs: list, seed: int, steps: int):
     import poseidon_aio
     from poseidon_aio.cluster import ClusterEnv, Rendezvous
     from poseidon_aio.ps import PSConfig, ServerSGD
+    from poseidon_aio.sync import MergeConfig
 
     torch.set_num_threads(1)
 
@@ -355,7 +357,8 @@ def checkpoint_worker(rank: int, runs: list, seed: int, steps: int):
                 kwargs = dict(mode="wfbp", ps=PSConfig(server_sgd=ServerSGD(lr=0.05, momentum=0.9), sync_timeout=30))
             else:
                 opt = torch.optim.Adam(model.parameters(), lr=0.01)
-                kwargs = dict(mode="poseidon", schemes={"fc1": "sfb"}, merge_after=1, calibration_sizes=(4096, 65536), ps=PSConfig(sync_timeout=30))
+                merge = MergeConfig(after=1, calibration_sizes=(4096, 65536))
+                kwargs = dict(mode="poseidon", schemes={"fc1": "sfb"}, merge=merge, ps=PSConfig(sync_timeout=30))
             trainer = poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, rendezvous=rdzv.scoped(label), **kwargs)
             async with trainer:
                 start = await trainer.restore(directory) if os.path.isdir(directory) else 0

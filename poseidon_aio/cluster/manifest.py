@@ -12,14 +12,10 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from ..errors import ConfigError, PoseidonError
+from ..errors import ConfigError, ManifestMismatch, UnknownParameter
 
 # dtypes the parameter server can aggregate (NumPy arithmetic; bfloat16 has no NumPy type).
 ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2}
-
-
-class ManifestMismatch(PoseidonError):
-    """Ranks disagree about the model: a parameter's name, shape or dtype differs."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +72,7 @@ class Manifest(tuple):
         for i, spec in enumerate(self):
             if spec.name == name:
                 return i
-        raise KeyError(f"no parameter named {name!r} in the manifest")
+        raise UnknownParameter(f"no parameter named {name!r} in the manifest")
 
     @property
     def total_bytes(self) -> int:

@@ -5,9 +5,10 @@ the output's gradient (K×M) and ``v`` the rows of the input (K×N). Every worke
 workers' factors in rank order and rebuilds the (mean) gradient with one GEMM; the same inputs in
 the same order through the same kernel give every replica the same bits.
 
-``reconstruct`` dispatches on where the factors live: CUDA tensors go to the CuPy kernel when
-``cupy.cuda.is_available()``, everything else to the torch CPU kernel, which is the tested
-reference.
+``reconstruct`` dispatches on where the result goes (:func:`kernel_for`): a CUDA tensor to the
+CuPy kernel when ``cupy.cuda.is_available()``, everything else to the torch kernel, which is the
+tested reference (and also runs on a GPU without CuPy). Factors may be host arrays (a peer's,
+as received) or tensors; the kernel moves them to the result's device.
 """
 
 from __future__ import annotations
@@ -42,13 +43,18 @@ def _cuda():
     return _cuda_kernels
 
 
-def reconstruct(us: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], scale: float, out_weight: torch.Tensor, out_bias=None) -> None:
+def kernel_for(out: torch.Tensor) -> str:
+    """``"cupy"`` or ``"torch"``: the kernel :func:`reconstruct` runs for a result in ``out``."""
+    return "cupy" if out.device.type == "cuda" and cuda_available() else "torch"
+
+
+def reconstruct(us: Sequence, vs: Sequence, scale: float, out_weight: torch.Tensor, out_bias=None) -> None:
     """Write ``scale * sum_p u_p^T v_p`` into ``out_weight`` and ``scale * sum_p sum_k u_p`` into
     ``out_bias`` (if given), factors taken in the given (rank) order."""
-    if out_weight.is_cuda and cuda_available():
+    if kernel_for(out_weight) == "cupy":
         _cuda().reconstruct(us, vs, scale, out_weight, out_bias)
     else:
         cpu.reconstruct(us, vs, scale, out_weight, out_bias)
 
 
-__all__ = ["reconstruct", "cuda_available", "cpu"]
+__all__ = ["reconstruct", "kernel_for", "cuda_available", "cpu"]

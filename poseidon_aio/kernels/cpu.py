@@ -1,15 +1,24 @@
-"""The torch kernels: the reference the CuPy ones are held to."""
+"""The torch kernels: the reference the CuPy ones are held to (CPU tensors, or any device torch has)."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 
-def reconstruct(us: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], scale: float, out_weight: torch.Tensor, out_bias=None) -> None:
-    u = torch.cat(list(us), dim=0) if len(us) > 1 else us[0]
-    v = torch.cat(list(vs), dim=0) if len(vs) > 1 else vs[0]
+def _on(x, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+    return t if t.device == device else t.to(device)
+
+
+def reconstruct(us: Sequence, vs: Sequence, scale: float, out_weight: torch.Tensor, out_bias=None) -> None:
+    device = out_weight.device
+    us = [_on(u, device) for u in us]
+    vs = [_on(v, device) for v in vs]
+    u = torch.cat(us, dim=0) if len(us) > 1 else us[0]
+    v = torch.cat(vs, dim=0) if len(vs) > 1 else vs[0]
     # One GEMM over all workers' rows: (sum K) x M transposed times (sum K) x N.
     torch.mm(u.t(), v, out=out_weight)
     if scale != 1.0:

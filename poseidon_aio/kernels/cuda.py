@@ -1,18 +1,21 @@
-"""The CuPy kernels, for factors that live on a GPU. Imported only when ``cupy.cuda.is_available()``."""
+"""The CuPy kernels, for layers that live on a GPU. Imported only when ``cupy.cuda.is_available()``."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
 import cupy
+import numpy as np
 import torch
 
 
-def _cp(t: torch.Tensor):
+def _cp(t):
+    if isinstance(t, np.ndarray):  # a peer's factors, received in host memory: upload them
+        return cupy.asarray(t)
     return cupy.from_dlpack(torch.utils.dlpack.to_dlpack(t.contiguous()))
 
 
-def reconstruct(us: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], scale: float, out_weight: torch.Tensor, out_bias=None) -> None:
+def reconstruct(us: Sequence, vs: Sequence, scale: float, out_weight: torch.Tensor, out_bias=None) -> None:
     with cupy.cuda.ExternalStream(torch.cuda.current_stream(out_weight.device).cuda_stream):
         u = cupy.concatenate([_cp(x) for x in us], axis=0)
         v = cupy.concatenate([_cp(x) for x in vs], axis=0)

@@ -117,10 +117,6 @@ class TokenBucket:
             fut.set_result(None)
         self._arm(loop)
 
-    @property
-    def waiting(self) -> int:
-        return sum(1 for w in self._waiters if not w[2].done())
-
 
 @dataclass
 class ShaperConfig:
@@ -128,12 +124,17 @@ class ShaperConfig:
 
     ``message_cost``: seconds of link time every data frame pays before its bytes (needs
     ``egress_rate``): a network's per-message start-up, emulated in user space.
+    ``costed_kinds``: the frame kinds that pay it (default: every data frame).
+
+    As the trainer's ``bandwidth`` it is the bandwidth manager: one budget for all of a process's
+    connections, frames of layers nearest the input first.
     """
 
     egress_rate: Optional[float] = None
     ingress_rate: Optional[float] = None
     burst: int = 256 * 1024
     message_cost: float = 0.0
+    costed_kinds: Optional[frozenset] = None
 
     def __post_init__(self) -> None:
         for name in ("egress_rate", "ingress_rate"):
@@ -162,5 +163,9 @@ class Shaper:
         def bucket(rate):
             return TokenBucket(rate, config.burst) if rate else None
 
-        egress = TokenBucket(config.egress_rate, config.burst, message_cost=config.message_cost) if config.egress_rate else None
+        egress = (
+            TokenBucket(config.egress_rate, config.burst, message_cost=config.message_cost, costed_kinds=config.costed_kinds)
+            if config.egress_rate
+            else None
+        )
         return cls(egress, bucket(config.ingress_rate))

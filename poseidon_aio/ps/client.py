@@ -17,16 +17,12 @@ from typing import Sequence
 import numpy as np
 
 from ..cluster.book import InformationBook, Message
-from ..errors import ConnectionLost, LocalProtocolError, PoseidonError, RemoteProtocolError, SyncTimeout
+from ..errors import ConnectionLost, LocalProtocolError, RemoteProtocolError, SyncTimeout, WorkerLeft
 from ..wire import Frame, Kind
 from .config import PSConfig
 from .shard import WIRE_DTYPE
 
 log = logging.getLogger("poseidon_aio.ps")
-
-
-class WorkerLeft(PoseidonError):
-    """Another worker left the job; BSP cannot go on without it."""
 
 
 @dataclass

@@ -30,7 +30,7 @@ from .shard import KVShard
 log = logging.getLogger("poseidon_aio.ps")
 
 
-async def _agree_on_start(rdzv: Rendezvous, config: PSConfig, book: InformationBook, index, start_clock: int):
+async def agree_on_start(rdzv: Rendezvous, config: PSConfig, book: InformationBook, index, start_clock: int):
     """The start clock every rank uses, and the checkpointed state of shard ``index``.
 
     With server-side SGD and a checkpoint directory, each shard's host publishes the clocks it has
@@ -55,7 +55,9 @@ async def _agree_on_start(rdzv: Rendezvous, config: PSConfig, book: InformationB
     return start_clock, state
 
 
-async def _host_shard(rdzv, index, rank, book, config, net, start_clock, state, shaper=None):
+async def host_shard(rdzv, index, rank, book, config, net, start_clock, state, shaper=None):
+    """Start shard ``index`` of ``book`` listening on this host; publish its address. Returns
+    ``(shard, listener)``."""
     host = advertise_host(rdzv.env.master_addr)
     shard = KVShard(index, book, config, start_clock=start_clock, state=state or None)
     listener = await listen(host, 0, rank=rank, config=net, on_connection=shard.attach, process_shaper=shaper)
@@ -154,14 +156,14 @@ class PSNode:
         )
         await rdzv.check_digest("information book", self.book.digest())
         index = None if config.standalone_shards or env.rank >= shards else env.rank
-        start_clock, state = await _agree_on_start(rdzv, config, self.book, index, start_clock)
+        start_clock, state = await agree_on_start(rdzv, config, self.book, index, start_clock)
         if state is False and self._given_state is not None:
             state = self._given_state
         await rdzv.check_digest("start clock", str(start_clock))
         self.resumed = state is not False
         self.start_clock = start_clock
         if index is not None:
-            self.shard, self._listener = await _host_shard(rdzv, index, env.rank, self.book, config, net, start_clock, state, self._shaper)
+            self.shard, self._listener = await host_shard(rdzv, index, env.rank, self.book, config, net, start_clock, state, self._shaper)
         conns = {}
         if self.shard is not None:  # our own shard: an in-process link, no socket
             conns[index], shard_end = LocalLink.pair(env.rank, env.rank)

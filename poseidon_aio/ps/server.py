@@ -13,12 +13,12 @@ import json
 import logging
 
 from ..cluster.book import InformationBook
-from ..cluster.manifest import Manifest, ManifestMismatch
+from ..cluster.manifest import Manifest
 from ..cluster.rendezvous import ClusterEnv, Rendezvous
-from ..errors import ConfigError, PeerTimeout
+from ..errors import ConfigError, ManifestMismatch, PeerTimeout
 from ..net.credentials import config_from_env
 from .config import PSConfig
-from .node import _agree_on_start, _host_shard
+from .node import agree_on_start, host_shard
 
 log = logging.getLogger("poseidon_aio.ps")
 
@@ -56,9 +56,9 @@ async def serve_shard(index: int, *, master_addr: str, master_port: int, workers
     theirs = await rdzv.read("digest/information book/0", who="rank 0")
     if theirs != book.digest():
         raise ManifestMismatch(f"shard process {index} computes another information book than rank 0: same poseidon_aio release?")
-    _, state = await _agree_on_start(rdzv, config, book, index, 0)
+    _, state = await agree_on_start(rdzv, config, book, index, 0)
     start_clock = int(await rdzv.read("digest/start clock/0", who="rank 0"))
-    shard, listener = await _host_shard(rdzv, index, env.rank, book, config, net, start_clock, state)
+    shard, listener = await host_shard(rdzv, index, env.rank, book, config, net, start_clock, state)
     log.info("shard %d serving %d messages for %d workers on %s", index, len(book.messages_of_shard(index)), workers, listener.address)
     try:
         try:

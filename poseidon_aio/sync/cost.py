@@ -26,9 +26,19 @@ from typing import Optional
 
 
 class Scheme(str, enum.Enum):
-    PS = "ps"
-    SFB = "sfb"
-    ADAM = "adam"
+    """How a layer's gradient is synchronized."""
+
+    PS = "ps"  # the sharded parameter server
+    SFB = "sfb"  # sufficient factor broadcasting over the worker mesh
+    ADAM = "adam"  # Project Adam: factors to the PS, full matrices back
+
+
+class LayerKind(str, enum.Enum):
+    """What the cost model knows of a layer: only fully-connected ones have sufficient factors."""
+
+    FC = "fc"
+    CONV = "conv"
+    OTHER = "other"
 
 
 @dataclass(frozen=True)
@@ -41,7 +51,7 @@ class LayerShape:
     """
 
     name: str
-    kind: str  # "fc", "conv" or "other"
+    kind: LayerKind
     m: int
     n: int
     rows: int = 0
@@ -50,6 +60,12 @@ class LayerShape:
     @property
     def params(self) -> int:
         return self.m * self.n + (self.m if self.bias else 0)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", LayerKind(self.kind))
+
+    def with_rows(self, rows: int) -> "LayerShape":
+        return LayerShape(self.name, self.kind, self.m, self.n, rows=rows, bias=self.bias)
 
 
 @dataclass(frozen=True)

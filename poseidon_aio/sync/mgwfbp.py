@@ -22,6 +22,8 @@ import json
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..errors import ConfigError
+
 
 @dataclass(frozen=True)
 class CommModel:
@@ -43,7 +45,7 @@ def fit(sizes: Sequence[float], times: Sequence[float]) -> CommModel:
     """
     n = len(sizes)
     if n < 2:
-        raise ValueError("fitting alpha and beta needs at least two (size, time) pairs")
+        raise ConfigError("fitting alpha and beta needs at least two (size, time) pairs")
     mx, my = sum(sizes) / n, sum(times) / n
     sxx = sum((x - mx) ** 2 for x in sizes)
     b = sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / sxx if sxx else 0.0
@@ -122,7 +124,7 @@ def merge_plan(t_f: float, t_b: Sequence[float], sizes: Sequence[float], model: 
     """
     L = len(t_b)
     if L != len(sizes):
-        raise ValueError("t_b and sizes must describe the same layers")
+        raise ConfigError(f"t_b ({len(t_b)} layers) and sizes ({len(sizes)}) must describe the same layers")
     p = [0.0] + [float(s) for s in sizes]
     t_c = [0.0] + [model.time(s) for s in p[1:]]
     merged = []

@@ -1,7 +1,8 @@
-"""torch integration: layer discovery, backward hooks and the Trainer (the only place that knows
-torch.nn)."""
+"""torch integration: layer discovery, backward hooks, host staging and the Trainer (the only place
+that knows torch.nn)."""
 
 from .layers import Layer, discover
-from .trainer import MODES, StepStats, Trainer
+from .trace import TraceConfig
+from .trainer import StepStats, Trainer
 
-__all__ = ["MODES", "Layer", "StepStats", "Trainer", "discover"]
+__all__ = ["Layer", "StepStats", "TraceConfig", "Trainer", "discover"]

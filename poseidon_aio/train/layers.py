@@ -13,37 +13,41 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch import nn
 
-from ..sync.cost import LayerShape
+from ..sync.cost import LayerKind, LayerShape
 
 
 @dataclass
 class Layer:
-    """One synchronization unit: a module and the trainable parameters it owns."""
+    """One synchronization unit: a module and the trainable parameters it owns.
+
+    ``factorable``: an unshared float32 ``nn.Linear`` whose weight and bias are all it owns: its
+    gradient is a sum of sufficient factors, so SFB or Project Adam can sync it.
+    """
 
     index: int
     name: str
     module: nn.Module
     params: list  # [(qualified name, Parameter)]
     param_ids: list = field(default_factory=list)  # manifest indices
-    sfb_capable: bool = False
+    factorable: bool = False
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> LayerKind:
         if isinstance(self.module, nn.Linear):
-            return "fc"
+            return LayerKind.FC
         if isinstance(self.module, nn.modules.conv._ConvNd):
-            return "conv"
-        return "other"
+            return LayerKind.CONV
+        return LayerKind.OTHER
 
     def shape(self, rows: int = 0) -> LayerShape:
-        if self.kind == "fc":
+        if self.kind is LayerKind.FC:
             m, n = self.module.weight.shape
-            return LayerShape(self.name, "fc", m, n, rows=rows, bias=self.module.bias is not None)
+            return LayerShape(self.name, LayerKind.FC, m, n, rows=rows, bias=self.module.bias is not None)
         total = sum(p.numel() for _, p in self.params)
         return LayerShape(self.name, self.kind, total, 1)
 
@@ -65,14 +69,15 @@ def discover(model: nn.Module) -> list:
             own.append((f"{name}.{pname}" if name else pname, p))
         if not own:
             continue
-        sfb = (
+        factorable = (
             isinstance(module, nn.Linear)
+            and module.weight.dtype is torch.float32
             and module.weight.requires_grad
             and users[id(module.weight)] == 1
             and (module.bias is None or (module.bias.requires_grad and users[id(module.bias)] == 1))
             and len(own) == (2 if module.bias is not None else 1)
         )
-        layers.append(Layer(len(layers), name or "<root>", module, own, sfb_capable=sfb))
+        layers.append(Layer(len(layers), name or "<root>", module, own, factorable=factorable))
     return layers
 
 
@@ -95,8 +100,10 @@ class FactorCapture:
         self._lock = threading.Lock()
         self._handle = layer.module.register_forward_hook(self._forward)
 
-    def reset(self) -> None:
+    def reset(self, enabled: bool) -> None:
+        """Forget the last step's rows; capture this step's if ``enabled``."""
         self._vs, self._us, self._calls, self.rows = [], {}, 0, []
+        self.enabled = enabled
 
     def _forward(self, module: nn.Module, inputs, output) -> None:
         x = inputs[0]
@@ -145,8 +152,10 @@ class GradReady:
         self._lock = threading.Lock()
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for _, p in layer.params]
 
-    def reset(self) -> None:
+    def reset(self, enabled: bool) -> None:
+        """Forget the last step's hooks; report this step's if ``enabled``."""
         self._fired = set()
+        self.enabled = enabled
 
     def _hook(self, param: torch.Tensor) -> None:
         if not self.enabled:
@@ -157,18 +166,6 @@ class GradReady:
         if done:
             self.on_ready(self.layer)
 
-    @property
-    def fired(self) -> bool:
-        return len(self._fired) == len(self.layer.params)
-
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
-
-
-def grad_or_zeros(param: torch.Tensor) -> torch.Tensor:
-    """The parameter's gradient, or zeros where it got none this step (an unused branch)."""
-    g: Optional[torch.Tensor] = param.grad
-    if g is None:
-        return torch.zeros_like(param)
-    return g if g.is_contiguous() else g.contiguous()

@@ -2,26 +2,23 @@
 
 Threads and loops (../shared/DESIGN.md): forward and backward run on one dedicated compute thread;
 the event loop keeps moving bytes meanwhile (PyTorch releases the GIL inside its kernels). Backward
-hooks hand each finished layer to the loop with ``call_soon_threadsafe``; the loop starts that
-layer's sync at once — a parameter-server push, or a sufficient-factor broadcast to the peers —
-so upper layers' syncs overlap the backward of lower layers (WFBP). Each layer has one future per
-iteration; the step awaits them (under SSP only those older than the staleness bound), puts the
-averaged gradients in ``param.grad`` and steps the user's optimizer.
+hooks hand each finished layer to the loop with ``call_soon_threadsafe``; the loop wraps the layer's
+buffers in a :class:`~poseidon_aio.sync.Bucket` and starts its scheme's
+:class:`~poseidon_aio.sync.Syncer` at once, so upper layers' syncs overlap the backward of lower
+layers (WFBP). The step awaits every sync of its clock (under SSP only those older than the
+staleness bound), puts the averaged gradients in ``param.grad`` and steps the user's optimizer.
 
-Modes:
+What is not the trainer's: the job's bootstrap (``cluster.Job``), the schemes and the HybComm plan
+(``sync``), merging and its runtime (``sync.merge``, ``sync.runtime``), the trace (``train.trace``),
+host staging of GPU tensors (``train.staging``) and checkpoint files (``train.checkpoint``).
+
+Modes (:class:`~poseidon_aio.sync.Mode`):
 
 * ``naive``: every layer by PS, all syncs started after the whole backward;
 * ``wfbp``: every layer by PS, each started the moment its gradient exists;
-* ``mgwfbp``: WFBP by PS with MG-WFBP merging: after ``merge_after`` measured steps, consecutive
-  layers whose separate messages would each pay the start-up cost travel as one message;
+* ``mgwfbp``: WFBP by PS with MG-WFBP merging after ``MergeConfig.after`` measured steps;
 * ``poseidon``: WFBP + HybComm: fully-connected layers by SFB where the cost model says it moves
   fewer bytes (ATC'17 Algorithm 1), the rest by PS, merged as in ``mgwfbp``.
-
-Merging (../shared/papers/mg-wfbp.md): at start-up the ranks time push/reply round trips of 4 KiB
-to 4 MiB around a ring and fit ``T(p) = a + b p``; the first ``merge_after`` steps measure every layer's
-backward time on the compute thread and every PS sync; rank 0 then plans (Algorithm 1, or the
-exact dynamic program with ``merge="optimal"``), publishes the plan, every rank checks its hash,
-and the parameter server is rebuilt with one message per merged group and shard.
 """
 
 from __future__ import annotations
@@ -29,42 +26,29 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 from torch import nn
 
 from .. import kernels
 from ..cluster import ClusterEnv, Manifest, Rendezvous
-from ..cluster.mesh import Mesh
-from ..errors import CheckpointError, ConfigError, PoseidonError, RemoteProtocolError, SyncTimeout
-from ..net import NetConfig
+from ..cluster.job import Job
+from ..errors import CheckpointError, ConfigError
+from ..net import NetConfig, Shaper, ShaperConfig
 from ..net.credentials import config_from_env
 from ..ps import PSConfig, PSNode
-from ..net import Shaper, TokenBucket
-from ..sync.cost import Scheme, best_scheme
-from ..sync.mgwfbp import CommModel, fit, merge_plan, optimal_plan
-from ..wire import DType, Kind
+from ..sync import Bucket, Merging, MergeConfig, MergeKind, MergeRuntime, Mode, PlanLayer, Scheme, SyncContext, choose_schemes, syncer_class
+from ..sync import broadcast
 from . import checkpoint
-from .layers import FactorCapture, GradReady, Layer, discover, grad_or_zeros
+from .layers import FactorCapture, GradReady, Layer, discover
+from .staging import Staging
+from .trace import Span, TraceConfig, Tracer
 
 log = logging.getLogger("poseidon_aio.train")
-
-MODES = ("naive", "wfbp", "mgwfbp", "poseidon")
-MERGES = ("none", "algorithm1", "optimal", "single")
-CALIBRATION_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
-TRACE_ENV = "POSEIDON_TRACE"
-# Mesh frames of the trace's clock alignment and gathering: a key no layer or buffer index reaches.
-_TRACE_KEY = (1 << 32) - 1
-_TRACE_GATHER_CLOCK = 1 << 62
-_PINGS = 8
-_TORCH_WIRE = {torch.float32: DType.FLOAT32, torch.float64: DType.FLOAT64, torch.float16: DType.FLOAT16, torch.int64: DType.INT64, torch.int32: DType.INT32, torch.uint8: DType.UINT8, torch.bool: DType.UINT8}
 
 
 @dataclass
@@ -99,19 +83,20 @@ class StepStats:
 class _Step:
     """One iteration in flight: its layer syncs and where their results land."""
 
-    def __init__(self, clock: int) -> None:
+    __slots__ = ("clock", "syncs", "launched", "deferred", "agg", "compute_done", "started", "forward_end", "compute_end", "spans", "ready_at", "bytes", "dropped")
+
+    def __init__(self, clock: int, started: float) -> None:
         self.clock = clock
-        self.tasks: dict = {}
+        self.syncs: list = []  # awaitables of SyncResult
         self.launched: set = set()
         self.deferred: list = []
-        self.agg: dict = {}  # manifest index -> tensor receiving the averaged gradient
+        self.agg: dict = {}  # manifest index -> tensor receiving the synchronized result
         self.compute_done = False
-        self.t_start = self.t_compute_end = 0.0
-        self.spans: list = []  # [label, scheme, ready, start, end]
+        self.started = started
+        self.forward_end = self.compute_end = 0.0
+        self.spans: list = []
         self.ready_at: dict = {}  # layer index -> when its gradient (or factors) were ready
-        self.t_forward_end = 0.0
-        self.groups_launched: set = set()
-        self.bytes = {"ps": 0, "sfb": 0}
+        self.bytes: dict = {}
         self.dropped: set = set()
 
 
@@ -120,7 +105,7 @@ class Trainer:
 
     Args:
         model: the module every rank builds identically (parameters and buffers are broadcast
-            from rank 0 at start). CPU tensors only, for now.
+            from rank 0 at start). CPU or CUDA: a GPU model's bytes go through pinned host buffers.
         optimizer: any ``torch.optim`` optimizer over the model's parameters; it steps on the
             averaged gradients. Step your LR scheduler yourself, as usual.
         loss_fn: ``loss_fn(model(inputs), targets)`` -> scalar tensor, for batches that are
@@ -128,7 +113,7 @@ class Trainer:
         batch_loss: ``batch_loss(model, batch)`` -> scalar tensor, for any other batch (a dict,
             several tensors, your own object): the batch reaches it as you gave it to
             :meth:`step`. Give exactly one of ``loss_fn`` and ``batch_loss``.
-        mode: ``"naive"``, ``"wfbp"``, ``"mgwfbp"`` or ``"poseidon"`` (see the module docstring).
+        mode: a :class:`~poseidon_aio.sync.Mode` (or its name); default ``poseidon``.
         ps: parameter-server settings (shards, chunk size, staleness, stragglers). With
             ``server_sgd`` the shards own the parameters of PS layers and apply SGD to them;
             your optimizer then steps only the other layers, and merging is off.
@@ -136,27 +121,18 @@ class Trainer:
             (``POSEIDON_TOKEN`` / ``POSEIDON_TOKEN_FILE``, see :mod:`poseidon_aio.net.credentials`).
         schemes: per-layer overrides, ``{"head.fc1": "ps" | "sfb" | "adam"}`` (``adam``: Project
             Adam's scheme, factors pushed to the PS and full matrices pulled back, for comparison).
+        merge: :class:`~poseidon_aio.sync.MergeConfig` (planner, measured steps, calibration).
+        bandwidth: the bandwidth manager, a :class:`~poseidon_aio.net.ShaperConfig` for all of
+            this process's connections together (outbound bytes/s, a per-message start-up).
+        trace: :class:`TraceConfig` (default: a trace only if ``$POSEIDON_TRACE`` is set).
         broadcast_buffers: at the end of every step, send rank 0's buffers (BatchNorm running
             statistics) to every rank, so replicas (and a model saved on any rank) stay identical.
-        trace: write a Chrome trace (Perfetto, chrome://tracing) of every step's compute and
-            layer syncs there on close: one file, every rank a process, clocks aligned to rank
-            0's at start. Default: ``$POSEIDON_TRACE`` (``poseidon-aio run --trace PATH``).
-        trace_ring: the most trace events each rank keeps (the newest); ~150 bytes each.
         env: the launcher environment (default: ``RANK``, ``WORLD_SIZE``, ... from the environment).
         rendezvous: an already started :class:`Rendezvous` (a ``scoped`` view), to run several
             trainers one after another over one store.
-        merge: ``"algorithm1"`` (MG-WFBP's, the default in ``mgwfbp``/``poseidon``), ``"optimal"``
-            (an exact dynamic program over the same model), ``"single"`` (every PS layer in one
-            message after the backward: SyncEASGD) or ``"none"``.
-        merge_after: measured steps before the merge plan is made.
-        bandwidth: the bandwidth manager's per-process budget, bytes/s of outbound data on all
-            connections together; frames of layers nearest the input go first.
-        shaper: a process-wide :class:`~poseidon_aio.net.Shaper` to use instead (e.g. with a
-            per-message start-up cost, to emulate a network's alpha).
-        calibration_sizes: message sizes timed at start-up to fit alpha and beta.
 
     Raises:
-        ConfigError: an invalid combination of settings, or a model on a GPU.
+        ConfigError: an invalid combination of settings.
 
     >>> # async with Trainer(model, torch.optim.SGD(model.parameters(), 0.1), F.cross_entropy) as trainer:
     >>> #     for batch in loader:
@@ -170,23 +146,21 @@ class Trainer:
         loss_fn: Optional[Callable] = None,
         *,
         batch_loss: Optional[Callable[[nn.Module, Any], torch.Tensor]] = None,
-        mode: str = "poseidon",
+        mode: Mode | str = Mode.POSEIDON,
         ps: Optional[PSConfig] = None,
         net: Optional[NetConfig] = None,
         schemes: Optional[dict] = None,
+        merge: Optional[MergeConfig] = None,
+        bandwidth: Optional[ShaperConfig] = None,
+        trace: Optional[TraceConfig] = None,
         broadcast_buffers: bool = True,
-        trace: Optional[str] = None,
-        trace_ring: int = 200_000,
         env: Optional[ClusterEnv] = None,
         rendezvous: Optional[Rendezvous] = None,
-        merge: Optional[str] = None,
-        merge_after: int = 3,
-        bandwidth: Optional[float] = None,
-        shaper: Optional[Shaper] = None,
-        calibration_sizes=CALIBRATION_SIZES,
     ) -> None:
-        if mode not in MODES:
-            raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+        try:
+            mode = Mode(mode)
+        except ValueError:
+            raise ConfigError(f"mode must be one of {[m.value for m in Mode]}, got {mode!r}") from None
         if (loss_fn is None) == (batch_loss is None):
             raise ConfigError("give the Trainer exactly one of loss_fn (for (inputs, targets) batches) and batch_loss")
         ps = ps or PSConfig()
@@ -196,27 +170,17 @@ class Trainer:
                 "use `await trainer.save(directory)` and `await trainer.restore(directory)`, which cover the model, "
                 "the optimizer, the clock and the shards' server-side state"
             )
-        if ps.server_sgd is not None and merge not in (None, "none"):
+        merge = merge or MergeConfig()
+        if ps.server_sgd is not None and merge.kind not in (None, MergeKind.NONE):
             raise ConfigError(
                 "with PSConfig.server_sgd the shards own the parameters and their optimizer state per message; "
-                "merging would re-cut the messages mid-training: use merge='none'"
+                "merging would re-cut the messages mid-training: use MergeConfig(kind='none')"
             )
-        merge = merge or ("algorithm1" if mode in ("mgwfbp", "poseidon") and ps.server_sgd is None else "none")
-        if merge not in MERGES:
-            raise ConfigError(f"merge must be one of {MERGES}, got {merge!r}")
-        if merge != "none" and mode in ("naive", "wfbp"):
-            raise ConfigError(f"mode {mode!r} sends every layer on its own; merging is mode 'mgwfbp' or 'poseidon'")
-        if merge_after < 1:
-            raise ConfigError("merge_after must be >= 1 measured step")
-        if trace_ring < 1:
-            raise ConfigError("trace_ring must be >= 1 event")
-        on_gpu = sorted({str(t.device) for t in [*model.parameters(), *model.buffers()] if t.device.type != "cpu"})
-        if on_gpu:
-            raise ConfigError(
-                f"the model has tensors on {', '.join(on_gpu)}: this release trains CPU models only (the CUDA "
-                "path — pinned staging buffers and the CuPy kernels end to end — is not built yet); move it "
-                "with model.cpu()"
-            )
+        if merge.kind is None:
+            merging = mode in (Mode.MGWFBP, Mode.POSEIDON) and ps.server_sgd is None
+            merge = MergeConfig(MergeKind.ALGORITHM1 if merging else MergeKind.NONE, merge.after, merge.calibration_sizes)
+        if merge.kind is not MergeKind.NONE and mode in (Mode.NAIVE, Mode.WFBP):
+            raise ConfigError(f"mode {mode.value!r} sends every layer on its own; merging is mode 'mgwfbp' or 'poseidon'")
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -225,48 +189,40 @@ class Trainer:
         self.ps_config = ps
         self.net = net
         self.overrides = dict(schemes or {})
+        self.merge = merge
         self.broadcast_buffers = broadcast_buffers
-        self.trace_path = trace or os.environ.get(TRACE_ENV) or None
-        #: The newest trace events of this rank (nothing is recorded without a trace path).
-        self.trace_events: deque = deque(maxlen=trace_ring)
+        self.tracer = Tracer(trace or TraceConfig())
         self.env = env
         self._given_rdzv = rendezvous
-        self.merge = merge
-        self.merge_after = merge_after
-        self.calibration_sizes = tuple(calibration_sizes)
-        self._shaper = shaper or (Shaper(egress=TokenBucket(bandwidth, 256 * 1024)) if bandwidth else None)
+        self._shaper = Shaper.from_config(bandwidth) if bandwidth is not None else None
         #: The merge plan in force: groups of layer names, the fitted model, the predicted times.
         self.merge_info: dict = {}
         self.clock = 0
         self.layers = discover(model)
-        self.schemes: dict = {}
         self._named = [(n, p) for layer in self.layers for n, p in layer.params]
         index = {id(p): i for i, (_, p) in enumerate(self._named)}
         for layer in self.layers:
             layer.param_ids = [index[id(p)] for _, p in layer.params]
-        self._buffers = [b for b in model.buffers()]
-        self._started = False
-        self._planned = False
+        self._buffers = list(model.buffers())
+        self.schemes: dict = {}  # layer index -> Scheme
+        self.staging = Staging()
+        self._gpu = any(self.staging.staged(p) for _, p in self._named)
+        self._syncers: dict = {}  # Scheme -> Syncer (the PS one wrapped in Merging)
+        self._job: Optional[Job] = None
+        self._node: Optional[PSNode] = None
+        self._runtime: Optional[MergeRuntime] = None
+        self._ready: dict = {}
+        self._captures: dict = {}
+        self._events: dict = {}  # manifest index -> CUDA event of its gradient (GPU models)
+        self._server_owned: set = set()  # manifest indices whose values the shards' SGD sends
+        self._started = self._planned = False
         self._inflight: list = []
         self._state: Optional[_Step] = None
-        self._node: Optional[PSNode] = None
-        self._mesh: Optional[Mesh] = None
-        self._rdzv: Optional[Rendezvous] = None
-        self._captures: dict = {}
-        self._ready: dict = {}
-        self._ps_index: dict = {}
-        self._server_owned: set = set()  # manifest indices whose values the shards' SGD sends
-        self._groups: list = []  # PS layers, grouped: one message per group and shard
-        self._factored: list = []  # [weight, bias] names of the layers synced by Project Adam
-        self._group_of: dict = {}
-        self._samples = {"tf": [], "tb": {}, "ps": []}
-        self._calibration: list = []
         self._generation = 0
         self._shard_bytes_seen = 0
         self._restored: Optional[dict] = None
         #: Payload bytes on the network per scheme since start (the shard's replies included).
         self.bytes_total: dict = {}
-        self._t0 = time.perf_counter()
 
     # -- life -------------------------------------------------------------------------------
 
@@ -290,30 +246,22 @@ class Trainer:
             self.net = config_from_env()  # before anything waits: a missing token fails at once
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poseidon-compute")
         self._reduce = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poseidon-reconstruct")
-        if self._given_rdzv is not None:
-            self._rdzv = self._given_rdzv
-            env = self._rdzv.env
-        else:
-            env = self.env or ClusterEnv.from_env()
-            self._rdzv = Rendezvous(env, timeout=self.ps_config.rendezvous_timeout)
-            await self._rdzv.start()
-        self.env = env
-        self.rank, self.world = env.rank, env.world_size
         self._manifest = Manifest.of_arrays(self._named)
-        await self._rdzv.check_manifest(self._manifest)
-        self._mesh = await Mesh.start(
-            self._rdzv.scoped("mesh"), self.net, timeout=self.ps_config.rendezvous_timeout, process_shaper=self._shaper
-        )
-        if self.trace_path and self.world > 1:
-            await self._align_trace_clock()
+        timeout = self.ps_config.rendezvous_timeout
+        self._job = await Job.join(self._manifest, self.net, timeout=timeout, env=self.env, rendezvous=self._given_rdzv, shaper=self._shaper)
+        self.rank, self.world = self._job.rank, self._job.world
+        self.tracer.rank, self.tracer.world = self.rank, self.world
+        await self.tracer.align(self._job.peers, timeout)
         # Every parameter, frozen ones too, and every buffer: replicas must start identical.
-        await self._broadcast([*self.model.parameters(), *self._buffers], Kind.PARAMS, 0)
+        tensors = [*self.model.parameters(), *self._buffers]
+        await self._broadcast(tensors)
         for layer in self.layers:
             self._ready[layer.index] = GradReady(layer, self._on_ready_threadsafe)
-            if layer.sfb_capable:
+            if layer.factorable:
                 self._captures[layer.index] = FactorCapture(layer, self._on_ready_threadsafe)
-        if self.merge in ("algorithm1", "optimal") and self.world > 1:
-            self._calibration = await self._calibrate()  # before the plan, while the links are idle
+        if self.merge.planned and self.world > 1:
+            self._runtime = MergeRuntime(self.merge, self.rank, self.world, self.ps_config.shards_for(self.world))
+            await self._runtime.calibrate(self._job.peers, self.ps_config.sync_timeout)  # while the links are idle
         self._started = True
 
     async def close(self, failed: bool = False) -> None:
@@ -326,20 +274,13 @@ class Trainer:
                 await self._drain()
                 if self._node is not None:
                     await self._node.rendezvous.barrier("trainer-done")  # every rank's syncs are over
-                    self.bytes_total["ps"] = self.bytes_total.get("ps", 0) + self._shard_bytes_delta()
+                    self._count_shard_bytes(self.bytes_total)
         finally:
             for hook in [*self._ready.values(), *self._captures.values()]:
                 hook.remove()
-            if self.trace_path:
-                await self._write_trace(gather=not failed)
-            if self._node is not None:
-                if failed:
-                    await self._node.teardown()
-                else:
-                    await self._node.close()
-            if self._mesh is not None:
-                await self._mesh.close()
-            await self._rdzv.leave(5.0 if failed else None)
+            await self.tracer.write(None if failed else self._job.peers, self.ps_config.sync_timeout)
+            await self._close_ps(failed)
+            await self._job.leave(failed)
             self._compute.shutdown(wait=True)
             self._reduce.shutdown(wait=True)
 
@@ -369,13 +310,14 @@ class Trainer:
             raise ConfigError("save(keep=...) must keep at least the checkpoint it writes")
         await self._drain()
         shard = self._node.shard if self._node is not None else None
+        merging = self._syncers.get(Scheme.PS)
         state = {
             "clock": self.clock,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "rng": torch.get_rng_state(),
-            "schemes": {layer.name: scheme.value for layer in self.layers if (scheme := self.schemes.get(layer.index))},
-            "groups": [[layer.name for layer in group] for group in self._groups] if self._planned else [],
+            "schemes": {layer.name: self.schemes[layer.index].value for layer in self.layers if layer.index in self.schemes},
+            "groups": self.merge_groups if isinstance(merging, Merging) else [],
             "merge_info": json.dumps(self.merge_info),
             # The snapshot is taken before the barrier below, so no rank can push the next clock
             # into this shard before its state is copied.
@@ -385,7 +327,7 @@ class Trainer:
         await self._loop.run_in_executor(
             self._compute, checkpoint.write, directory, clock, self.rank, self.world, self._manifest.digest(), state
         )
-        await self._rdzv.barrier(f"checkpoint/{clock}")
+        await self._job.rendezvous.barrier(f"checkpoint/{clock}")
         await self._loop.run_in_executor(self._compute, checkpoint.prune, directory, self.rank, keep)
         log.info("rank %d: checkpoint at clock %d in %s", self.rank, clock, directory)
         return clock
@@ -405,7 +347,7 @@ class Trainer:
             raise ConfigError("restore() goes after start() and before the first step")
         digest = self._manifest.digest()
         mine = await self._loop.run_in_executor(self._compute, checkpoint.complete_clocks, directory, self.rank, self.world, digest)
-        seen = await self._rdzv.exchange("restore/clocks", json.dumps(mine), range(self.world))
+        seen = await self._job.rendezvous.exchange("restore/clocks", json.dumps(mine), range(self.world))
         by_rank = {r: json.loads(text) for r, text in seen.items()}
         clock = checkpoint.newest_common(by_rank)
         if clock is None:
@@ -446,62 +388,47 @@ class Trainer:
         if not self._planned:
             await self._plan(batch)
         t = self.clock
-        started = time.perf_counter()
-        state = _Step(t)
-        state.t_start = started
+        state = _Step(t, time.perf_counter())
         for i, (_, p) in enumerate(self._named):
             state.agg[i] = torch.empty_like(p)
-        for hook in self._ready.values():
-            hook.reset()
-            hook.enabled = self.schemes[hook.layer.index] is Scheme.PS
-        for cap in self._captures.values():
-            cap.reset()
-            cap.enabled = self.schemes[cap.layer.index] in (Scheme.SFB, Scheme.ADAM)
+        for layer in self.layers:
+            captures = syncer_class(self.schemes[layer.index]).captures_factors
+            self._ready[layer.index].reset(enabled=not captures)
+            if layer.index in self._captures:
+                self._captures[layer.index].reset(enabled=captures)
         self._state = state
         loss = await self._loop.run_in_executor(self._compute, self._forward_backward, batch)
-        state.t_compute_end = time.perf_counter()
+        state.compute_end = time.perf_counter()
         state.compute_done = True
-        for layer in [*state.deferred, *reversed(self.layers)]:
-            self._launch(state, layer, force=True)
+        for layer in [*state.deferred, *reversed(self.layers)]:  # the naive mode's, and unused layers
+            self._launch(state, layer)
         self._inflight.append(state)
         if self.broadcast_buffers and self._buffers:
             # This step's forward updated them (BatchNorm statistics); the next forward reads them.
-            await self._broadcast(self._buffers, Kind.DATA, t)
-        staleness = self.ps_config.staleness
-        while self._inflight and self._inflight[0].clock <= t - staleness:
+            await self._broadcast(self._buffers, clock=t)
+        while self._inflight and self._inflight[0].clock <= t - self.ps_config.staleness:
             await self._apply(self._inflight.pop(0))
         done = time.perf_counter()
-        replan = self.merge in ("algorithm1", "optimal") and self.world > 1 and t < self.merge_after and len(self._groups) > 1
-        if replan:
-            self._measure(state)
-        state.bytes["ps"] += self._shard_bytes_delta()
+        self._count_shard_bytes(state.bytes)
         for scheme, n in state.bytes.items():
             self.bytes_total[scheme] = self.bytes_total.get(scheme, 0) + n
         self.clock += 1
-        if replan and t == self.merge_after - 1:
-            await self._replan()  # the new parameter server starts at the next clock
-        stats = StepStats(
+        if self._runtime is not None and self._runtime.measuring(t) and len(self._ps_layers()) > 1:
+            self._measure(state)
+            if self._runtime.due(t):
+                await self._replan()  # the new parameter server starts at the next clock
+        self.tracer.step(t, state.started, state.compute_end, state.spans, done)
+        return StepStats(
             clock=t,
             loss=loss,
-            compute_s=state.t_compute_end - started,
-            stall_s=done - state.t_compute_end,
-            overlap_s=sum(max(0.0, min(end, state.t_compute_end) - start) for *_, start, end in state.spans if end),
-            step_s=done - started,
+            compute_s=state.compute_end - state.started,
+            stall_s=done - state.compute_end,
+            overlap_s=sum(max(0.0, min(s.end, state.compute_end) - s.start) for s in state.spans if s.end),
+            step_s=done - state.started,
             bytes=dict(state.bytes),
             dropped=sorted(state.dropped),
             schemes={layer.name: self.schemes[layer.index].value for layer in self.layers},
         )
-        self._trace(state, done)
-        return stats
-
-    def _shard_bytes_delta(self) -> int:
-        """Payload bytes this rank's shard moved over the network for the others since last asked."""
-        shard = self._node.shard if self._node is not None else None
-        if shard is None:
-            return 0
-        moved = shard.stats.remote_bytes_in + shard.stats.remote_bytes_out
-        delta, self._shard_bytes_seen = moved - self._shard_bytes_seen, moved
-        return delta
 
     def _loss(self, batch) -> torch.Tensor:
         if self.batch_loss is not None:
@@ -513,116 +440,74 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._loss(batch)
-        self._state.t_forward_end = time.perf_counter()
+        self._state.forward_end = time.perf_counter()
         loss.backward()
         return float(loss.detach())
 
-    # -- hooks -> loop ----------------------------------------------------------------------
+    # -- hooks -> loop -> syncers -----------------------------------------------------------
 
     def _on_ready_threadsafe(self, layer: Layer) -> None:
-        state = self._state
-        self._loop.call_soon_threadsafe(self._launch, state, layer, False, time.perf_counter())
+        # On the compute thread: note where a GPU gradient's value is produced, then hand over.
+        if self._gpu:
+            for i, (_, p) in zip(layer.param_ids, layer.params):
+                if p.grad is not None:
+                    self._events[i] = self.staging.ready_event(p.grad)
+        self._loop.call_soon_threadsafe(self._launch, self._state, layer, time.perf_counter())
 
-    def _launch(self, state: _Step, layer: Layer, force: bool = False, ready_at: Optional[float] = None) -> None:
+    def _launch(self, state: _Step, layer: Layer, ready_at: Optional[float] = None) -> None:
         if layer.index in state.launched:
             return
-        if self.mode == "naive" and not state.compute_done:
+        if self.mode is Mode.NAIVE and not state.compute_done:
             state.deferred.append(layer)  # naive: nothing moves until the backward is over
             return
         state.launched.add(layer.index)
         state.ready_at[layer.index] = ready_at or time.perf_counter()
-        if self.schemes[layer.index] is Scheme.SFB:
-            self._start(state, layer.name, [layer], Scheme.SFB, self._sfb(state, layer))
-            return
-        if self.schemes[layer.index] is Scheme.ADAM:
-            self._start(state, layer.name, [layer], Scheme.ADAM, self._adam(state, layer))
-            return
-        g = self._group_of[layer.index]
-        group = self._groups[g]
-        if g not in state.groups_launched and all(member.index in state.launched for member in group):
-            state.groups_launched.add(g)  # a merged group goes once its last layer is ready
-            label = group[0].name if len(group) == 1 else f"{group[-1].name}..{group[0].name}"
-            self._start(state, label, group, Scheme.PS, self._ps_push(state, group))
-
-    def _start(self, state: _Step, label: str, layers: list, scheme: Scheme, coro) -> None:
-        span = [label, scheme, max(state.ready_at[x.index] for x in layers), time.perf_counter(), 0.0]
-        task = asyncio.ensure_future(coro)
-        task.add_done_callback(lambda _: span.__setitem__(4, time.perf_counter()))
+        scheme = self.schemes[layer.index]
+        span = Span(layer.name, scheme, state.ready_at[layer.index], time.perf_counter())
+        task = asyncio.ensure_future(self._sync(state, layer, scheme))
+        task.add_done_callback(lambda _: setattr(span, "end", time.perf_counter()))
         state.spans.append(span)
-        state.tasks[(scheme.value, layers[0].index)] = task
+        state.syncs.append(task)
 
-    # -- schemes ----------------------------------------------------------------------------
-
-    async def _ps_push(self, state: _Step, group: list) -> None:
-        grads = [grad_or_zeros(p).detach().numpy() for layer in group for _, p in layer.params]
-        outs = [state.agg[i].numpy() for layer in group for i in layer.param_ids]
-        ids = [self._ps_index[i] for layer in group for i in layer.param_ids]
-        priority = min(layer.index for layer in group)  # nearest the input first
-        result = await self._node.client.push(ids, grads, outs, state.clock, priority)
-        state.bytes["ps"] += result.remote_bytes_sent + result.remote_bytes_received
+    async def _sync(self, state: _Step, layer: Layer, scheme: Scheme) -> None:
+        bucket = await self._bucket(state, layer, scheme)
+        result = await self._syncers[scheme].start(bucket, state.clock)
+        state.bytes[scheme.value] = state.bytes.get(scheme.value, 0) + result.bytes_sent + result.bytes_received
         state.dropped.update(result.dropped)
 
-    async def _adam(self, state: _Step, layer: Layer) -> None:
-        """Project Adam: factors to the shard holding the layer, the rebuilt full matrices back."""
-        cap = self._captures[layer.index]
-        m, n = layer.module.weight.shape
-        u, v = cap.factors() if cap.captured else (torch.zeros(0, m), torch.zeros(0, n))
-        outs = [state.agg[i].numpy() for i in layer.param_ids]
-        ids = [self._ps_index[i] for i in layer.param_ids]
-        result = await self._node.client.push_factors(ids, u.numpy(), v.numpy(), outs, state.clock, layer.index)
-        state.bytes["adam"] = state.bytes.get("adam", 0) + result.remote_bytes_sent + result.remote_bytes_received
+    async def _bucket(self, state: _Step, layer: Layer, scheme: Scheme) -> Bucket:
+        """The layer's buffers as its scheme moves them: host views on CPU, staged copies on a GPU."""
+        params = [p for _, p in layer.params]
+        priority = layer.index  # nearest the input first: it gates the next forward
+        on_ps = syncer_class(scheme).on_ps
+        outs = [self.staging.landing(("agg", i), state.agg[i]) if on_ps else state.agg[i] for i in layer.param_ids]
+        if syncer_class(scheme).captures_factors:
+            cap = self._captures[layer.index]
+            m, n = layer.module.weight.shape
+            u, v = cap.factors() if cap.captured else (torch.zeros(0, m), torch.zeros(0, n))  # unused here: K = 0
+            u, v = await self._host_pair(("u", layer.index), u, ("v", layer.index), v)
+            return Bucket(layer.name, [layer.index], layer.param_ids, outs, factors=(u, v), shape=(m, n), priority=priority)
+        grads = []
+        for i, p in zip(layer.param_ids, params):
+            g = p.grad if p.grad is not None else torch.zeros_like(p)  # an unused branch: zeros
+            grads.append(await self._host(("grad", i), g.contiguous(), self._events.pop(i, None)))
+        return Bucket(layer.name, [layer.index], layer.param_ids, outs, grads=grads, priority=priority)
 
-    async def _sfb(self, state: _Step, layer: Layer) -> None:
-        cap = self._captures[layer.index]
-        m, n = layer.module.weight.shape
-        if cap.captured:
-            u, v = cap.factors()
-        else:  # not used on this rank this step: it contributes no rows
-            u, v = torch.zeros(0, m), torch.zeros(0, n)
-        peers = self._mesh.peers
-        t = state.clock
-        waits = {r: conn.expect(Kind.FACTORS, layer.index, t) for r, conn in peers.items()}
-        parts = [u.numpy(), v.numpy()]
-        await asyncio.gather(
-            *(conn.send(Kind.FACTORS, parts, key=layer.index, clock=t, dtype=DType.FLOAT32, priority=layer.index) for conn in peers.values())
-        )
-        try:
-            frames = await asyncio.wait_for(asyncio.gather(*waits.values()), self.ps_config.sync_timeout)
-        except asyncio.CancelledError:
-            for w in waits.values():
-                w.cancel()
-            raise
-        except TimeoutError:
-            missing = sorted(r for r, w in waits.items() if not w.done())
-            raise SyncTimeout(
-                f"rank {self.rank}: sufficient factors of layer {layer.name} at clock {t} did not arrive from "
-                f"ranks {missing} within {self.ps_config.sync_timeout} s"
-            ) from None
-        us, vs = [None] * self.world, [None] * self.world
-        us[self.rank], vs[self.rank] = u, v
-        for r, frame in zip(waits, frames):
-            floats = frame.header.length // 4
-            if frame.header.dtype is not DType.FLOAT32 or floats % (m + n):
-                raise RemoteProtocolError(
-                    f"rank {r} sent {frame.header.length} bytes of factors for layer {layer.name} ({m}x{n}) at "
-                    f"clock {t}: not K rows of {m}+{n} float32 — do the ranks build the same model?"
-                )
-            k = floats // (m + n)
-            arr = torch.from_numpy(np.frombuffer(frame.payload, dtype=np.float32))
-            us[r], vs[r] = arr[: k * m].view(k, m), arr[k * m :].view(k, n)
-        out_w = state.agg[layer.param_ids[0]]
-        out_b = state.agg[layer.param_ids[1]] if len(layer.param_ids) > 1 else None
-        await self._loop.run_in_executor(self._reduce, kernels.reconstruct, us, vs, 1.0 / self.world, out_w, out_b)
-        sent = u.numel() * 4 + v.numel() * 4
-        state.bytes["sfb"] += sent * len(peers) + sum(f.header.length for f in frames)
+    async def _host(self, slot, tensor: torch.Tensor, event=None):
+        if not self.staging.staged(tensor):
+            return self.staging.host(slot, tensor)
+        return await self._loop.run_in_executor(self._reduce, self.staging.host, slot, tensor, event)
+
+    async def _host_pair(self, slot_u, u, slot_v, v) -> tuple:
+        return await self._host(slot_u, u.float()), await self._host(slot_v, v.float())
 
     # -- apply ------------------------------------------------------------------------------
 
     async def _apply(self, state: _Step) -> None:
         try:
-            await asyncio.gather(*state.tasks.values())
+            await asyncio.gather(*state.syncs)
         except BaseException:
-            for task in state.tasks.values():
+            for task in state.syncs:
                 task.cancel()
             raise
         await self._loop.run_in_executor(self._compute, self._optimizer_step, state)
@@ -633,6 +518,11 @@ class Trainer:
         # is exactly zero (unused on every rank) keeps grad None so the optimizer skips it, as it
         # would in one process; every rank sees the same aggregate, so every rank decides alike.
         # A parameter frozen for this step (requires_grad off) gets no gradient either.
+        for layer in self.layers:
+            if syncer_class(self.schemes[layer.index]).on_ps:
+                for i in layer.param_ids:
+                    self.staging.to_device(("agg", i), state.agg[i])
+        self.staging.wait()
         with torch.no_grad():
             for i, (_, p) in enumerate(self._named):
                 agg = state.agg[i]
@@ -643,211 +533,110 @@ class Trainer:
                     p.grad = agg if p.requires_grad and bool(agg.any()) else None
         self.optimizer.step()
 
-    # -- start-up pieces --------------------------------------------------------------------
-
-    async def _broadcast(self, tensors: list, kind: Kind, clock: int) -> None:
-        """Make every rank's ``tensors`` equal rank 0's, over the mesh."""
-        if self.world == 1:
-            return
-        if self.rank == 0:
-            sends = []
-            for i, tensor in enumerate(tensors):
-                # A copy: a send may still hold the bytes when the next forward updates a buffer.
-                data = tensor.detach().clone()
-                payload = data.view(torch.uint8).numpy() if data.dtype is torch.bool else data.numpy()
-                for conn in self._mesh.peers.values():
-                    sends.append(conn.send(kind, payload, key=i, clock=clock, dtype=_TORCH_WIRE.get(data.dtype, DType.BYTES)))
-            await asyncio.gather(*sends)
-            return
-        conn = self._mesh.peers[0]
-        waits = []
-        for i, tensor in enumerate(tensors):
-            data = tensor.detach()
-            target = data.view(torch.uint8).numpy() if data.dtype is torch.bool else data.numpy()
-            waits.append(conn.expect(kind, i, clock, into=target))
-        try:
-            await asyncio.wait_for(asyncio.gather(*waits), self.ps_config.sync_timeout)
-        except TimeoutError:
-            what = "parameters and buffers" if kind is Kind.PARAMS else "buffers"
-            raise SyncTimeout(
-                f"rank {self.rank}: rank 0's {what} for clock {clock} did not arrive within {self.ps_config.sync_timeout} s"
-            ) from None
+    # -- plan and parameter server ----------------------------------------------------------
 
     async def _plan(self, batch) -> None:
-        """Decide every layer's scheme (the same on every rank) and start the parameter server."""
+        """Decide every layer's scheme (the same on every rank) and build the syncers."""
         restored = (self._restored or {}).get("schemes")
         if restored:
             if set(restored) != {layer.name for layer in self.layers}:
                 raise CheckpointError(f"rank {self.rank}: the checkpoint's scheme plan names other layers than this model has")
-            self.schemes = {layer.index: Scheme(restored[layer.name]) for layer in self.layers}
+            by_name = restored
         else:
-            await self._choose_schemes(batch)
+            rows = await self._loop.run_in_executor(self._compute, self._measure_rows, batch)
+            seen = await self._job.rendezvous.exchange("rows", json.dumps(rows), range(self.world))
+            k = {name: max(json.loads(seen[r]).get(name, 0) for r in seen) for name in rows}
+            plan_layers = [PlanLayer(layer.shape(), layer.factorable) for layer in self.layers]
+            by_name = choose_schemes(
+                plan_layers, k, mode=self.mode, workers=self.world, shards=self.ps_config.shards_for(self.world), overrides=self.overrides
+            )
+        self.schemes = {layer.index: Scheme(by_name[layer.name]) for layer in self.layers}
         plan = json.dumps({layer.name: self.schemes[layer.index].value for layer in self.layers})
-        await self._rdzv.check_digest("scheme plan", plan)
-        ps_layers = [layer for layer in self.layers if self.schemes[layer.index] is Scheme.PS]
-        adam_layers = [layer for layer in self.layers if self.schemes[layer.index] is Scheme.ADAM]
-        # Plain-PS layers first, so any run of them a merge plan groups is consecutive in the manifest.
-        on_ps = ps_layers + adam_layers
-        self._ps_index = {i: j for j, i in enumerate(i for layer in on_ps for i in layer.param_ids)}
-        self._factored = [[n for n, _ in layer.params] for layer in adam_layers]
-        self._set_groups([[layer] for layer in ps_layers] if self.merge != "single" or not ps_layers else [ps_layers])
-        groups = (self._restored or {}).get("groups")
-        if groups and self.merge != "none":  # the merge plan in force when the checkpoint was taken
-            by_name = {layer.name: layer for layer in ps_layers}
-            if sorted(n for g in groups for n in g) != sorted(by_name):
+        await self._job.rendezvous.check_digest("scheme plan", plan)
+        groups = [[layer.index] for layer in self._ps_layers()]
+        if self.merge.kind is MergeKind.SINGLE and groups:
+            groups = [[i for g in groups for i in g]]
+        saved = (self._restored or {}).get("groups")
+        if saved and self.merge.kind is not MergeKind.NONE:  # the merge plan in force when the checkpoint was taken
+            by_layer = {layer.name: layer.index for layer in self._ps_layers()}
+            if sorted(n for g in saved for n in g) != sorted(by_layer):
                 raise CheckpointError(f"rank {self.rank}: the checkpoint's merge plan names other layers than this model syncs by PS")
-            self._set_groups([[by_name[n] for n in g] for g in groups])
+            groups = [[by_layer[n] for n in g] for g in saved]
         if self.ps_config.server_sgd is not None:
-            self._server_owned = {i for layer in ps_layers for i in layer.param_ids}
-        if on_ps:
-            await self._start_ps()
+            self._server_owned = {i for layer in self._ps_layers() for i in layer.param_ids}
+        await self._build_syncers(groups)
         self._planned = True
         log.info("rank %d: schemes %s", self.rank, plan)
 
-    async def _choose_schemes(self, batch) -> None:
-        """HybComm: BestScheme per layer from K, the rows each rank's first batch gives it (max over ranks)."""
-        rows = await self._loop.run_in_executor(self._compute, self._measure_rows, batch)
-        seen = await self._rdzv.exchange("rows", json.dumps(rows), range(self.world))
-        k = {name: max(json.loads(seen[r]).get(name, 0) for r in seen) for name in rows}
-        shards = self.ps_config.shards_for(self.world)
-        for layer in self.layers:
-            want = self.overrides.get(layer.name)
-            if want is not None:
-                scheme = Scheme(want)
-                if scheme in (Scheme.SFB, Scheme.ADAM) and not (layer.sfb_capable and layer.module.weight.dtype is torch.float32):
-                    raise ConfigError(
-                        f"layer {layer.name} ({type(layer.module).__name__}) cannot go by {scheme.value}: "
-                        "only an unshared float32 nn.Linear has sufficient factors"
-                    )
-            elif self.mode == "poseidon" and layer.sfb_capable and layer.module.weight.dtype is torch.float32 and k.get(layer.name):
-                # (a layer the planning forward never called has no K to judge by: PS)
-                scheme = best_scheme(layer.shape(k[layer.name]), self.world, shards)
-            else:
-                scheme = Scheme.PS
-            if self.mode != "poseidon" and scheme is not Scheme.PS:
-                raise ConfigError(f"mode {self.mode!r} syncs every layer by PS; use mode='poseidon' for {scheme.value} overrides")
-            self.schemes[layer.index] = scheme
+    @property
+    def merge_groups(self) -> list:
+        """The parameter-server layers' messages in force: lists of layer names, model order."""
+        ps = self._syncers.get(Scheme.PS)
+        if isinstance(ps, Merging):
+            return [[self.layers[i].name for i in g] for g in ps.groups]
+        return [[layer.name] for layer in self._ps_layers()] if self._planned else []
 
-    # -- MG-WFBP ---------------------------------------------------------------------------
+    def _ps_layers(self) -> list:
+        """Layers whose gradients the parameter server aggregates (merging applies to these)."""
+        return [layer for layer in self.layers if self.schemes[layer.index] is Scheme.PS]
 
-    def _set_groups(self, groups: list) -> None:
-        self._groups = groups
-        self._group_of = {layer.index: g for g, members in enumerate(groups) for layer in members}
+    async def _build_syncers(self, groups: list) -> None:
+        """One syncer per scheme in use; the parameter server (re)started with one message per
+        merge group and shard when a scheme keeps layers there."""
+        used = {self.schemes[layer.index] for layer in self.layers}
+        on_ps = [layer for layer in self.layers if syncer_class(self.schemes[layer.index]).on_ps]
+        # Plain-PS layers first, so any run of them a merge plan groups is consecutive in the manifest.
+        on_ps.sort(key=lambda layer: (syncer_class(self.schemes[layer.index]).factored, layer.index))
+        ps_index = {i: j for j, i in enumerate(i for layer in on_ps for i in layer.param_ids)}
+        if on_ps:
+            await self._start_ps(on_ps, ps_index, groups)
+        ctx = SyncContext(
+            self.rank, self.world, self._job.peers, self.ps_config.sync_timeout, node=self._node, ps_index=ps_index,
+            reconstruct=kernels.reconstruct, executor=self._reduce,
+        )
+        self._syncers = {scheme: syncer_class(scheme).build(ctx) for scheme in used}
+        if Scheme.PS in self._syncers and self.merge.kind is not MergeKind.NONE:
+            self._syncers[Scheme.PS] = Merging(self._syncers[Scheme.PS], groups)
 
-    async def _start_ps(self) -> None:
-        """(Re)start the parameter server with one message per merge group and shard."""
-        names = [[n for layer in group for n, _ in layer.params] for group in self._groups if len(group) > 1]
-        on_ps = sorted(self._ps_index, key=self._ps_index.get)
-        manifest = Manifest.of_arrays(self._named[i] for i in on_ps)
+    async def _start_ps(self, on_ps: list, ps_index: dict, groups: list) -> None:
+        names = [[n for i in g for n, _ in self.layers[i].params] for g in groups if len(g) > 1]
+        factored = [[n for n, _ in layer.params] for layer in on_ps if syncer_class(self.schemes[layer.index]).factored]
+        manifest = Manifest.of_arrays(self._named[i] for i in sorted(ps_index, key=ps_index.get))
         saved = (self._restored or {}).get("shard") if self._generation == 0 else None
         self._node = await PSNode.start(
             manifest, self.ps_config, net=self.net, groups=names or None, start_clock=self.clock,
-            rendezvous=self._rdzv.scoped(f"ps{self._generation}"), process_shaper=self._shaper,
-            factored=self._factored or None, shard_state={k: v.numpy() for k, v in saved.items()} if saved else None,
+            rendezvous=self._job.rendezvous.scoped(f"ps{self._generation}"), process_shaper=self._shaper,
+            factored=factored or None, shard_state={k: v.numpy() for k, v in saved.items()} if saved else None,
         )
         self._shard_bytes_seen = 0
         if self.ps_config.server_sgd is not None and not self._node.resumed and self.rank == 0:
             # The shards start from rank 0's parameters (everyone's, after the start-up broadcast);
             # a rank's PARAMS frame reaches each shard before its first push on the same link.
-            owned = [self._ps_index[i] for i in sorted(self._server_owned)]
-            values = [self._named[i][1].detach().numpy() for i in sorted(self._server_owned)]
-            await self._node.client.broadcast(owned, values, self.clock)
+            owned = sorted(self._server_owned)
+            values = [self.staging.host(("param", i), self._named[i][1].detach()) for i in owned]
+            await self._node.client.broadcast([ps_index[i] for i in owned], values, self.clock)
 
-    async def _calibrate(self) -> list:
-        """Round trips around the ring of ranks, shaped like a parameter-server sync (a PUSH out,
-        an AGGREGATE of the same size back): ``[(bytes, seconds)]`` per calibration size."""
-        peers = self._mesh.peers
-        nxt, prv = peers[(self.rank + 1) % self.world], peers[(self.rank - 1) % self.world]
-        samples = []
-        for i, size in enumerate(self.calibration_sizes):
-            payload = np.zeros(size, dtype=np.uint8)
-            for rep in range(3):
-                clock = 1_000_000 + 10 * i + rep
-                back = nxt.expect(Kind.AGGREGATE, 7, clock)
-                incoming = prv.expect(Kind.PUSH, 7, clock)
-                started = time.perf_counter()
-                await nxt.send(Kind.PUSH, payload, key=7, clock=clock)
-                try:
-                    await asyncio.wait_for(incoming, self.ps_config.sync_timeout)
-                    await prv.send(Kind.AGGREGATE, payload, key=7, clock=clock)
-                    await asyncio.wait_for(back, self.ps_config.sync_timeout)
-                except TimeoutError:
-                    raise SyncTimeout(f"rank {self.rank}: a calibration message of {size} bytes did not come back from rank {nxt.peer_rank}") from None
-                samples.append((size, time.perf_counter() - started))
-        return samples
-
-    def _measure(self, state: _Step) -> None:
-        """Record a warm-up step's forward time, per-layer backward times and PS sync times."""
-        self._samples["tf"].append(state.t_forward_end - state.t_start)
-        previous = state.t_forward_end
-        for layer in reversed([g for group in self._groups for g in group]):
-            ready = state.ready_at.get(layer.index, previous)
-            self._samples["tb"].setdefault(layer.index, []).append(max(0.0, ready - previous))
-            previous = max(previous, ready)
-        # The PS link's busy time: the union of this step's sync intervals (syncs overlap and queue
-        # behind one another, so their own durations would count the same second several times).
-        spans = sorted((start, end) for _, scheme, _, start, end in state.spans if scheme is Scheme.PS and end)
-        busy, reach = 0.0, float("-inf")
-        for start, end in spans:
-            busy += max(0.0, end - max(start, reach))
-            reach = max(reach, end)
-        nbytes = sum(p.numel() * p.element_size() for group in self._groups for layer in group for _, p in layer.params)
-        self._samples["ps"].append((len(spans), nbytes, busy))
-
-    def _comm_model(self) -> CommModel:
-        """PS message time: start-up from the ring calibration, per-byte cost refit from observed syncs."""
-        shards = self.ps_config.shards_for(self.world)
-        round_trip = fit(*zip(*self._calibration)) if len(self._calibration) >= 2 else CommModel(0.0, 0.0)
-        # A PS sync is a push and a reply, like the calibration's round trip: its start-up is the
-        # round trip's; its bytes cross the busiest link (P1 + P2 - 2) / P2 times over in each
-        # direction (ATC'17 Table 1, per node), the round trip's once.
-        a = round_trip.a
-        b = round_trip.b / 2 * (self.world + shards - 2) / shards
-        # Refit the per-byte cost from training's own transfers: under the model, a step's busy
-        # time is n * a + b * bytes.
-        steps = [(n, nbytes, busy) for n, nbytes, busy in self._samples["ps"] if nbytes]
-        if steps:
-            b = max(0.0, sum(busy - n * a for n, _, busy in steps) / sum(nbytes for _, nbytes, _ in steps))
-        return CommModel(a, b)
-
-    async def _replan(self) -> None:
-        """Rank 0 plans from its measurements; every rank adopts the plan after checking its hash."""
-        ps_layers = [g for group in self._groups for g in group]
-        if self.rank == 0:
-            median = lambda xs: float(np.median(xs)) if xs else 0.0  # noqa: E731
-            model = self._comm_model()
-            t_b = [median(self._samples["tb"].get(layer.index, [])) for layer in ps_layers]
-            sizes = [sum(p.numel() * p.element_size() for _, p in layer.params) for layer in ps_layers]
-            planner = optimal_plan if self.merge == "optimal" else merge_plan
-            plan = planner(median(self._samples["tf"]), t_b, sizes, model)
-            info = {
-                "groups": [[ps_layers[i - 1].name for i in group] for group in plan.groups],
-                "alpha_s": model.a, "beta_s_per_byte": model.b, "planner": self.merge,
-                "predicted_s": {"plan": plan.t_iter, "wfbp": plan.t_iter_wfbp, "single": plan.t_iter_single},
-            }
-            await self._rdzv.publish(f"merge-plan/{self._generation}", json.dumps(info))
-        text = await self._rdzv.read(f"merge-plan/{self._generation}", who="rank 0")
-        await self._rdzv.check_digest(f"merge plan {self._generation}", text)
-        info = json.loads(text)
-        by_name = {layer.name: layer for layer in ps_layers}
-        # Layers 1..L run from the input: group members are listed input side first; keep the
-        # manifest's (model) order inside each group.
-        groups = [sorted((by_name[n] for n in group), key=lambda x: x.index) for group in info["groups"]]
-        while self._inflight:
-            await self._apply(self._inflight.pop(0))
-        if self._node is not None:
-            self.bytes_total["ps"] = self.bytes_total.get("ps", 0) + self._shard_bytes_delta()
+    async def _close_ps(self, failed: bool = False) -> None:
+        if self._node is None:
+            return
+        if failed:
+            await self._node.teardown()
+        else:
             await self._node.close()
-        self._generation += 1
-        self._set_groups(groups)
-        await self._start_ps()
-        self.merge_info = info
-        log.info("rank %d: merge plan %s", self.rank, info["groups"])
+        self._node = None
+
+    def _count_shard_bytes(self, into: dict) -> None:
+        """Add the payload bytes this rank's shard moved over the network for the others."""
+        shard = self._node.shard if self._node is not None else None
+        if shard is None:
+            return
+        moved = shard.stats.remote_bytes_in + shard.stats.remote_bytes_out
+        into["ps"] = into.get("ps", 0) + moved - self._shard_bytes_seen
+        self._shard_bytes_seen = moved
 
     def _measure_rows(self, batch) -> dict:
         for cap in self._captures.values():
-            cap.reset()
-            cap.enabled = False
+            cap.reset(enabled=False)
         was = self.model.training
         self.model.train(False)  # evaluation mode: no side effects on BatchNorm statistics
         try:
@@ -857,90 +646,51 @@ class Trainer:
             self.model.train(was)
         return {cap.layer.name: sum(cap.rows) for cap in self._captures.values()}
 
-    # -- timeline ---------------------------------------------------------------------------
+    # -- MG-WFBP ----------------------------------------------------------------------------
 
-    def _trace(self, state: _Step, done: float) -> None:
-        if not self.trace_path:
+    def _measure(self, state: _Step) -> None:
+        layers = [layer.index for layer in self._ps_layers()]
+        spans = [(s.start, s.end) for s in state.spans if s.scheme is Scheme.PS and s.end]
+        nbytes = sum(p.numel() * p.element_size() for i in layers for _, p in self.layers[i].params)
+        self._runtime.record(state.forward_end - state.started, state.forward_end, state.ready_at, layers, spans, nbytes)
+
+    async def _replan(self) -> None:
+        """Adopt the merge plan every rank agreed on: the parameter server restarts with it."""
+        ps_layers = self._ps_layers()
+        sizes = [sum(p.numel() * p.element_size() for _, p in layer.params) for layer in ps_layers]
+        info = await self._runtime.agree(self._job.rendezvous, self._generation, [layer.index for layer in ps_layers], [layer.name for layer in ps_layers], sizes)
+        by_name = {layer.name: layer.index for layer in ps_layers}
+        # Layers 1..L run from the input: group members are listed input side first; keep the
+        # model's order inside each group.
+        groups = [sorted(by_name[n] for n in group) for group in info["groups"]]
+        await self._drain()
+        self._count_shard_bytes(self.bytes_total)
+        await self._close_ps()
+        self._generation += 1
+        await self._build_syncers(groups)
+        self.merge_info = info
+        log.info("rank %d: merge plan %s", self.rank, info["groups"])
+
+    # -- broadcast --------------------------------------------------------------------------
+
+    async def _broadcast(self, tensors: list, clock: Optional[int] = None) -> None:
+        """Make every rank's ``tensors`` equal rank 0's, through host buffers: the parameters and
+        buffers at start (``clock`` None), the buffers at the end of step ``clock``."""
+        if self.world == 1:
             return
-        us = lambda t: round((t - self._t0) * 1e6, 1)  # noqa: E731
-        pid = self.rank
-        ev = self.trace_events
-        ev.append({"name": f"forward+backward {state.clock}", "ph": "X", "pid": pid, "tid": "compute", "ts": us(state.t_start), "dur": us(state.t_compute_end) - us(state.t_start)})
-        for label, scheme, ready, start, end in state.spans:
-            ev.append({"name": f"{label} ready", "ph": "i", "s": "t", "pid": pid, "tid": "compute", "ts": us(ready)})
-            ev.append({"name": f"sync {label} ({scheme.value})", "ph": "X", "pid": pid, "tid": f"sync {scheme.value}", "ts": us(start), "dur": us(end or done) - us(start), "args": {"clock": state.clock}})
-
-    async def _align_trace_clock(self) -> None:
-        """Put this rank's trace timestamps in rank 0's time base (NTP's estimate: of ``_PINGS``
-        round trips to rank 0 over the mesh, the fastest bounds the offset best)."""
-        timeout = self.ps_config.rendezvous_timeout
+        role = "params" if clock is None else "buffers"
+        slots = [("bcast", role, i) for i in range(len(tensors))]
+        data = [t.detach().view(torch.uint8) if t.dtype is torch.bool else t.detach() for t in tensors]
         if self.rank == 0:
-            async def serve(conn) -> None:
-                for i in range(_PINGS):
-                    await asyncio.wait_for(conn.expect(Kind.DATA, _TRACE_KEY, i), timeout)
-                    now = np.array([time.perf_counter(), self._t0])
-                    await conn.send(Kind.DATA, now, key=_TRACE_KEY, clock=i, dtype=DType.FLOAT64)
-
-            try:
-                await asyncio.gather(*(serve(conn) for conn in self._mesh.peers.values()))
-            except TimeoutError:
-                raise SyncTimeout(f"rank 0: a rank did not time its trace clock against rank 0 within {timeout} s") from None
-            return
-        conn = self._mesh.peers[0]
-        best = None
-        for i in range(_PINGS):
-            reply = conn.expect(Kind.DATA, _TRACE_KEY, i)
-            sent = time.perf_counter()
-            await conn.send(Kind.DATA, b"", key=_TRACE_KEY, clock=i)
-            try:
-                frame = await asyncio.wait_for(reply, timeout)
-            except TimeoutError:
-                raise SyncTimeout(f"rank {self.rank}: rank 0 did not answer a trace clock ping within {timeout} s") from None
-            back = time.perf_counter()
-            remote, origin = np.frombuffer(frame.payload, dtype=np.float64)
-            if best is None or back - sent < best[0]:
-                best = (back - sent, remote - (sent + back) / 2, origin)
-        _, offset, origin = best
-        self._t0 = origin - offset  # rank 0's trace origin, read on this rank's clock
-
-    def _trace_file(self, rank: Optional[int] = None) -> str:
-        if rank is None or self.world == 1:
-            return self.trace_path
-        base, ext = os.path.splitext(self.trace_path)
-        return f"{base}.rank{rank}{ext or '.json'}"
-
-    async def _write_trace(self, gather: bool) -> None:
-        """Rank 0 writes one file with every rank's events (a process each, ``pid`` = rank); when the
-        job failed, or a rank's events do not arrive, each rank writes ``<trace>.rank<r>.json``."""
-        mine = list(self.trace_events)
-        events = {self.rank: mine}
-        gathered = gather and self._mesh is not None and self.world > 1
-        if gathered and self.rank != 0:
-            try:
-                payload = json.dumps(mine).encode()
-                await asyncio.wait_for(
-                    self._mesh.peers[0].send(Kind.DATA, payload, key=_TRACE_KEY, clock=_TRACE_GATHER_CLOCK, dtype=DType.JSON),
-                    self.ps_config.sync_timeout,
-                )
-                return
-            except (PoseidonError, TimeoutError) as exc:
-                log.warning("rank %d: could not send the trace to rank 0 (%s); writing %s", self.rank, exc, self._trace_file(self.rank))
-                gathered = False
-        if gathered:
-            waits = {r: conn.expect(Kind.DATA, _TRACE_KEY, _TRACE_GATHER_CLOCK) for r, conn in self._mesh.peers.items()}
-            done, _ = await asyncio.wait(waits.values(), timeout=self.ps_config.sync_timeout)
-            for r, fut in waits.items():
-                if fut in done and fut.exception() is None:
-                    events[r] = json.loads(bytes(fut.result().payload))
-                else:
-                    fut.cancel()
-                    log.warning("rank 0: rank %d's trace events did not arrive; the trace has no row for it", r)
-        path = self.trace_path if gathered else self._trace_file(self.rank)
-        names = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in sorted(events)]
-        body = {"traceEvents": names + [e for r in sorted(events) for e in events[r]], "displayTimeUnit": "ms"}
-        await self._loop.run_in_executor(None, _write_json, path, body)
-
-
-def _write_json(path: str, body: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(body, f)
+            arrays = [await self._host(slot, d) for slot, d in zip(slots, data)]
+        else:
+            arrays = [self.staging.landing(slot, d) for slot, d in zip(slots, data)]
+        peers, timeout = self._job.peers, self.ps_config.sync_timeout
+        if clock is None:
+            await broadcast.parameters(self.rank, peers, arrays, timeout)
+        else:
+            await broadcast.buffers(self.rank, peers, arrays, clock, timeout)
+        if self.rank != 0:
+            for slot, d in zip(slots, data):
+                self.staging.to_device(slot, d)
+            self.staging.wait()

@@ -14,7 +14,6 @@ from . import codec as _pycodec
 from .codec import byte_view
 from .layout import (
     DEFAULT_MAX_PAYLOAD,
-    FLAG_MORE,
     HEADER_SIZE,
     ITEMSIZE,
     MAGIC,
@@ -47,7 +46,6 @@ __all__ = [
     "CODEC",
     "CODECS",
     "DEFAULT_MAX_PAYLOAD",
-    "FLAG_MORE",
     "HEADER_SIZE",
     "ITEMSIZE",
     "MAGIC",

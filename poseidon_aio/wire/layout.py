@@ -6,7 +6,7 @@ A frame is a fixed 40-byte little-endian header followed by ``length`` raw paylo
          0    4 magic     b"PSDN"
          4    1 version   wire version, 1
          5    1 kind      what the frame is (:class:`Kind`)
-         6    2 flags     bits for the layer above (e.g. "more chunks follow"); not interpreted here
+         6    2 flags     bits for the layer above; none is defined yet, senders write 0
          8    4 rank      sender rank
         12    4 key       key-value pair id or layer id
         16    8 clock     iteration clock
@@ -95,8 +95,6 @@ ITEMSIZE = {
 }
 ITEMSIZE_BY_CODE = {int(k): v for k, v in ITEMSIZE.items()}
 
-# Flags are the layer above's; the wire only names the ones it documents.
-FLAG_MORE = 0x0001  # more frames of the same message follow (chunked tensors)
 
 
 @dataclass(frozen=True, slots=True)

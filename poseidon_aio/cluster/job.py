@@ -1,0 +1,71 @@
+"""Joining a training job: the rendezvous, the model check, the worker mesh."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..net import NetConfig
+from .manifest import Manifest
+from .mesh import Mesh
+from .rendezvous import ClusterEnv, Rendezvous
+
+
+class Job:
+    """This process's place in a job. Build it with :meth:`join`.
+
+    Attributes:
+        rendezvous: the store view the job meets through.
+        mesh: authenticated connections to every other worker (``mesh.peers``).
+        rank, world: this worker and how many there are.
+    """
+
+    def __init__(self, rendezvous: Rendezvous, mesh: Mesh, owned: bool) -> None:
+        self.rendezvous = rendezvous
+        self.mesh = mesh
+        self.rank = rendezvous.env.rank
+        self.world = rendezvous.env.world_size
+        self._owned = owned
+
+    @classmethod
+    async def join(
+        cls,
+        manifest: Manifest,
+        net: NetConfig,
+        *,
+        timeout: float,
+        env: Optional[ClusterEnv] = None,
+        rendezvous: Optional[Rendezvous] = None,
+        shaper=None,
+    ) -> "Job":
+        """Meet the other ranks, check that they build the same model, connect to every one.
+
+        Args:
+            manifest: this rank's model.
+            rendezvous: an already started view of a store (several trainers one after another);
+                by default one is opened at ``MASTER_ADDR:MASTER_PORT``.
+            timeout: seconds every rank may take to show up.
+        Raises:
+            PeerTimeout, ManifestMismatch, AuthenticationError: the job could not form.
+        """
+        owned = rendezvous is None
+        if owned:
+            rendezvous = Rendezvous(env or ClusterEnv.from_env(), timeout=timeout)
+            await rendezvous.start()
+        try:
+            await rendezvous.check_manifest(manifest)
+            mesh = await Mesh.start(rendezvous.scoped("mesh"), net, timeout=timeout, process_shaper=shaper)
+        except BaseException:
+            if owned:
+                await rendezvous.leave(5.0)
+            raise
+        return cls(rendezvous, mesh, owned)
+
+    @property
+    def peers(self) -> dict:
+        return self.mesh.peers
+
+    async def leave(self, failed: bool = False) -> None:
+        """Close the mesh and, when this job opened the store, leave it."""
+        await self.mesh.close()
+        if self._owned:
+            await self.rendezvous.leave(5.0 if failed else None)

@@ -1,0 +1,41 @@
+"""Synchronization: one :class:`Syncer` per scheme, the cost model and HybComm's plan, MG-WFBP.
+
+Below the torch integration and above the networking: buckets of host buffers in, synchronized
+buffers out. Nothing here imports torch; the sufficient-factor kernel is passed in.
+"""
+
+from .adam import AdamSyncer
+from .bucket import Bucket
+from .cost import LayerKind, LayerShape, Scheme, best_scheme, layer_cost
+from .merge import Merging
+from .plan import Mode, PlanLayer, choose_schemes
+from .ps import PSSyncer
+from .runtime import CALIBRATION_SIZES, MergeConfig, MergeKind, MergeRuntime
+from .sfb import SFBSyncer
+from .syncer import SYNCERS, SyncContext, Syncer, SyncResult, register, syncer_class
+
+__all__ = [
+    "AdamSyncer",
+    "Bucket",
+    "CALIBRATION_SIZES",
+    "LayerKind",
+    "LayerShape",
+    "MergeConfig",
+    "MergeKind",
+    "MergeRuntime",
+    "Merging",
+    "Mode",
+    "PSSyncer",
+    "PlanLayer",
+    "SFBSyncer",
+    "SYNCERS",
+    "Scheme",
+    "SyncContext",
+    "SyncResult",
+    "Syncer",
+    "best_scheme",
+    "choose_schemes",
+    "layer_cost",
+    "register",
+    "syncer_class",
+]

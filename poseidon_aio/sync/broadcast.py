@@ -1,0 +1,60 @@
+"""Rank 0's arrays to every rank over the worker mesh (parameters at start, buffers each step)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..errors import SyncTimeout
+from ..wire import DType, Kind
+
+WIRE_DTYPES = {
+    np.dtype(np.float32): DType.FLOAT32,
+    np.dtype(np.float64): DType.FLOAT64,
+    np.dtype(np.float16): DType.FLOAT16,
+    np.dtype(np.int64): DType.INT64,
+    np.dtype(np.int32): DType.INT32,
+    np.dtype(np.uint8): DType.UINT8,
+    np.dtype(np.int8): DType.INT8,
+}
+
+
+async def parameters(rank: int, peers: Mapping[int, object], arrays: Sequence[np.ndarray], timeout: float) -> None:
+    """Rank 0's parameters (and buffers) to every rank, at start."""
+    await broadcast(rank, peers, arrays, Kind.PARAMS, 0, timeout, what="parameters and buffers")
+
+
+async def buffers(rank: int, peers: Mapping[int, object], arrays: Sequence[np.ndarray], clock: int, timeout: float) -> None:
+    """Rank 0's buffers (BatchNorm statistics) to every rank, at the end of step ``clock``."""
+    await broadcast(rank, peers, arrays, Kind.DATA, clock, timeout, what="buffers")
+
+
+async def broadcast(
+    rank: int, peers: Mapping[int, object], arrays: Sequence[np.ndarray], kind: Kind, clock: int, timeout: float, *, what: str
+) -> None:
+    """Make every rank's ``arrays`` equal rank 0's: rank 0 sends, the others receive in place.
+
+    Rank 0 sends copies: a send may still hold the bytes when the caller changes an array
+    (the next forward updates BatchNorm statistics in place).
+
+    Raises:
+        SyncTimeout: rank 0's arrays did not arrive within ``timeout`` (``what`` names them).
+    """
+    if not peers:
+        return
+    if rank == 0:
+        sends = []
+        for key, array in enumerate(arrays):
+            payload = array.copy()
+            for conn in peers.values():
+                sends.append(conn.send(kind, payload, key=key, clock=clock, dtype=WIRE_DTYPES.get(payload.dtype, DType.BYTES)))
+        await asyncio.gather(*sends)
+        return
+    conn = peers[0]
+    waits = [conn.expect(kind, key, clock, into=array) for key, array in enumerate(arrays)]
+    try:
+        await asyncio.wait_for(asyncio.gather(*waits), timeout)
+    except TimeoutError:
+        raise SyncTimeout(f"rank {rank}: rank 0's {what} for clock {clock} did not arrive within {timeout} s") from None

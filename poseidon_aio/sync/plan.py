@@ -1,0 +1,80 @@
+"""HybComm's plan: the scheme of every layer (ATC'17 Algorithm 1), the same on every rank.
+
+Pure decisions on numbers every rank agrees on (layer shapes, the rows K each layer sees per
+worker, the cluster shape): no torch, no I/O. The trainer measures K, agrees on it with the other
+ranks (max over ranks) and checks the resulting plan's hash.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+from ..errors import ConfigError
+from .cost import LayerShape, Scheme, best_scheme
+from .syncer import syncer_class
+
+
+class Mode(str, enum.Enum):
+    """How the trainer synchronizes (see ``train.trainer``)."""
+
+    NAIVE = "naive"  # every layer by PS, all started after the whole backward
+    WFBP = "wfbp"  # every layer by PS, each the moment its gradient exists
+    MGWFBP = "mgwfbp"  # WFBP by PS, small consecutive layers merged into one message
+    POSEIDON = "poseidon"  # WFBP + HybComm (SFB where it moves fewer bytes) + merging
+
+
+@dataclass(frozen=True)
+class PlanLayer:
+    """A layer as the plan sees it: its shape for the cost model, and whether it has sufficient
+    factors at all (an unshared float32 fully-connected layer)."""
+
+    shape: LayerShape
+    factorable: bool
+
+    @property
+    def name(self) -> str:
+        return self.shape.name
+
+
+def choose_schemes(
+    layers: Sequence[PlanLayer],
+    rows: Mapping[str, int],
+    *,
+    mode: Mode,
+    workers: int,
+    shards: int,
+    overrides: Optional[Mapping[str, str]] = None,
+) -> dict:
+    """``{layer name: Scheme}``.
+
+    Args:
+        rows: K per layer per worker (max over ranks); a layer never called has none and goes by PS.
+        overrides: ``{layer name: scheme}`` the user fixed.
+    Raises:
+        ConfigError: an override names a scheme the layer cannot use, a layer the model does not
+            have, or a scheme the mode does not use.
+    """
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - {layer.name for layer in layers})
+    if unknown:
+        raise ConfigError(f"scheme overrides name layers the model does not have: {unknown}")
+    out = {}
+    for layer in layers:
+        want = overrides.get(layer.name)
+        if want is not None:
+            scheme = Scheme(want)
+            if syncer_class(scheme).captures_factors and not layer.factorable:
+                raise ConfigError(
+                    f"layer {layer.name} ({layer.shape.kind.value}) cannot go by {scheme.value}: only an unshared "
+                    "float32 nn.Linear has sufficient factors"
+                )
+        elif mode is Mode.POSEIDON and layer.factorable and rows.get(layer.name):
+            scheme = best_scheme(layer.shape.with_rows(rows[layer.name]), workers, shards)
+        else:
+            scheme = Scheme.PS
+        if mode is not Mode.POSEIDON and scheme is not Scheme.PS:
+            raise ConfigError(f"mode {mode.value!r} syncs every layer by PS; use mode='poseidon' for {scheme.value} overrides")
+        out[layer.name] = scheme
+    return out

@@ -1,0 +1,194 @@
+"""The MG-WFBP runtime: calibrate the link, measure warm-up steps, refit, plan once, agree.
+
+At start-up the ranks time push/reply round trips of several sizes around a ring and fit
+``T(p) = a + b p``. For ``MergeConfig.after`` steps the trainer reports each step's forward time,
+when each parameter-server layer's gradient was ready, and the intervals its PS syncs ran; then
+rank 0 refits the per-byte cost from those syncs, plans (``mgwfbp.merge_plan`` or
+``mgwfbp.optimal_plan``), publishes the plan, and every rank checks its hash before adopting it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+
+from ..errors import ConfigError, SyncTimeout
+from ..wire import Kind
+from .mgwfbp import CommModel, fit, merge_plan, optimal_plan
+
+CALIBRATION_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+# Mesh frames of the calibration: keys no layer reaches, clocks far past any training clock.
+_CALIBRATION_KEY = 7
+_CALIBRATION_CLOCK = 1 << 61
+
+
+class MergeKind(str, enum.Enum):
+    NONE = "none"  # every layer its own message
+    ALGORITHM1 = "algorithm1"  # MG-WFBP's greedy Algorithm 1
+    OPTIMAL = "optimal"  # the exact O(L^2) dynamic program over the same timeline
+    SINGLE = "single"  # every PS layer in one message after the backward (SyncEASGD)
+
+
+@dataclass
+class MergeConfig:
+    """MG-WFBP merging.
+
+    Args:
+        kind: the planner; ``None`` picks ``algorithm1`` in modes ``mgwfbp`` and ``poseidon``,
+            ``none`` otherwise.
+        after: measured steps before the plan is made.
+        calibration_sizes: message sizes (bytes) timed at start-up to fit alpha and beta.
+    """
+
+    kind: Optional[MergeKind] = None
+    after: int = 3
+    calibration_sizes: tuple = CALIBRATION_SIZES
+
+    def __post_init__(self) -> None:
+        if self.kind is not None:
+            try:
+                self.kind = MergeKind(self.kind)
+            except ValueError:
+                raise ConfigError(f"MergeConfig.kind must be one of {[k.value for k in MergeKind]}, got {self.kind!r}") from None
+        if self.after < 1:
+            raise ConfigError("MergeConfig.after must be >= 1 measured step")
+        self.calibration_sizes = tuple(int(s) for s in self.calibration_sizes)
+        if self.kind in (MergeKind.ALGORITHM1, MergeKind.OPTIMAL) and len(self.calibration_sizes) < 2:
+            raise ConfigError("MergeConfig.calibration_sizes needs two sizes or more to fit alpha and beta")
+
+    @property
+    def planned(self) -> bool:
+        """Whether a plan is made from measurements (Algorithm 1 or the exact planner)."""
+        return self.kind in (MergeKind.ALGORITHM1, MergeKind.OPTIMAL)
+
+
+@dataclass
+class _Samples:
+    forward: list = field(default_factory=list)
+    backward: dict = field(default_factory=dict)  # layer -> [seconds]
+    ps: list = field(default_factory=list)  # (syncs, bytes, busy seconds)
+
+
+class MergeRuntime:
+    """Args:
+        config: :class:`MergeConfig` (a planned kind).
+        rank, world, shards: this worker, P1 and P2.
+    """
+
+    def __init__(self, config: MergeConfig, rank: int, world: int, shards: int) -> None:
+        self.config = config
+        self.rank = rank
+        self.world = world
+        self.shards = shards
+        self.calibration: list = []  # (bytes, round-trip seconds)
+        self._samples = _Samples()
+
+    # -- calibration ------------------------------------------------------------------------
+
+    async def calibrate(self, peers: Mapping[int, object], timeout: float) -> None:
+        """Round trips around the ring of ranks shaped like a PS sync (a PUSH out, an AGGREGATE of
+        the same size back), three per calibration size, while the links are idle."""
+        nxt, prv = peers[(self.rank + 1) % self.world], peers[(self.rank - 1) % self.world]
+        for i, size in enumerate(self.config.calibration_sizes):
+            payload = np.zeros(size, dtype=np.uint8)
+            for rep in range(3):
+                clock = _CALIBRATION_CLOCK + 10 * i + rep
+                back = nxt.expect(Kind.AGGREGATE, _CALIBRATION_KEY, clock)
+                incoming = prv.expect(Kind.PUSH, _CALIBRATION_KEY, clock)
+                started = time.perf_counter()
+                await nxt.send(Kind.PUSH, payload, key=_CALIBRATION_KEY, clock=clock)
+                try:
+                    await asyncio.wait_for(incoming, timeout)
+                    await prv.send(Kind.AGGREGATE, payload, key=_CALIBRATION_KEY, clock=clock)
+                    await asyncio.wait_for(back, timeout)
+                except TimeoutError:
+                    raise SyncTimeout(
+                        f"rank {self.rank}: a calibration message of {size} bytes did not come back from rank {nxt.peer_rank} within {timeout} s"
+                    ) from None
+                self.calibration.append((size, time.perf_counter() - started))
+
+    # -- measurement ------------------------------------------------------------------------
+
+    def measuring(self, clock: int) -> bool:
+        return clock < self.config.after
+
+    def due(self, clock: int) -> bool:
+        """Whether the plan is made after the step of ``clock``."""
+        return clock == self.config.after - 1
+
+    def record(self, forward_s: float, forward_end: float, ready: Mapping[int, float], layers: Sequence[int], spans: Sequence[tuple], nbytes: int) -> None:
+        """One warm-up step.
+
+        Args:
+            forward_s: its forward time.
+            forward_end: when the forward ended (the clock ``ready`` is on).
+            ready: layer index -> when its gradient was ready.
+            layers: the parameter-server layers, in model order.
+            spans: ``(start, end)`` of each of the step's PS syncs.
+            nbytes: bytes of those layers' parameters.
+        """
+        s = self._samples
+        s.forward.append(forward_s)
+        previous = forward_end
+        for layer in reversed(layers):  # backward order: each layer's time is since the one above
+            at = ready.get(layer, previous)
+            s.backward.setdefault(layer, []).append(max(0.0, at - previous))
+            previous = max(previous, at)
+        # The PS link's busy time: the union of the sync intervals (syncs overlap and queue behind
+        # one another, so their own durations would count the same second several times).
+        busy, reach = 0.0, float("-inf")
+        for start, end in sorted(spans):
+            busy += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        s.ps.append((len(spans), nbytes, busy))
+
+    def comm_model(self) -> CommModel:
+        """PS message time: start-up from the ring calibration, per-byte cost refit from the syncs."""
+        round_trip = fit(*zip(*self.calibration)) if len(self.calibration) >= 2 else CommModel(0.0, 0.0)
+        # A PS sync is a push and a reply, like the calibration's round trip: its start-up is the
+        # round trip's; its bytes cross the busiest link (P1 + P2 - 2) / P2 times over in each
+        # direction (ATC'17 Table 1, per node), the round trip's once.
+        a = round_trip.a
+        b = round_trip.b / 2 * (self.world + self.shards - 2) / self.shards
+        # Refit the per-byte cost from training's own transfers: under the model a step's busy
+        # time is n * a + b * bytes.
+        steps = [(n, nbytes, busy) for n, nbytes, busy in self._samples.ps if nbytes]
+        if steps:
+            b = max(0.0, sum(busy - n * a for n, _, busy in steps) / sum(nbytes for _, nbytes, _ in steps))
+        return CommModel(a, b)
+
+    # -- the plan ---------------------------------------------------------------------------
+
+    def plan(self, layers: Sequence[int], names: Sequence[str], sizes: Sequence[int]) -> dict:
+        """Rank 0's plan from its measurements: ``{"groups": [[name, ...], ...], ...}``."""
+        median = lambda xs: float(statistics.median(xs)) if xs else 0.0  # noqa: E731
+        model = self.comm_model()
+        t_b = [median(self._samples.backward.get(layer, [])) for layer in layers]
+        planner = optimal_plan if self.config.kind is MergeKind.OPTIMAL else merge_plan
+        plan = planner(median(self._samples.forward), t_b, sizes, model)
+        return {
+            "groups": [[names[i - 1] for i in group] for group in plan.groups],
+            "alpha_s": model.a, "beta_s_per_byte": model.b, "planner": self.config.kind.value,
+            "predicted_s": {"plan": plan.t_iter, "wfbp": plan.t_iter_wfbp, "single": plan.t_iter_single},
+        }
+
+    async def agree(self, rdzv, generation: int, layers: Sequence[int], names: Sequence[str], sizes: Sequence[int]) -> dict:
+        """Rank 0 plans and publishes; every rank reads the plan and checks its hash.
+
+        Raises:
+            ManifestMismatch: a rank computed another plan (different code or settings).
+            PeerTimeout: rank 0 did not publish one.
+        """
+        key = f"merge-plan/{generation}"
+        if self.rank == 0:
+            await rdzv.publish(key, json.dumps(self.plan(layers, names, sizes)))
+        text = await rdzv.read(key, who="rank 0")
+        await rdzv.check_digest(f"merge plan {generation}", text)
+        return json.loads(text)

@@ -1,0 +1,79 @@
+"""Sufficient factor broadcasting (Poseidon 2015 §4.3, ATC'17 §3.2), for fully-connected layers.
+
+The batch gradient of an M×N weight is ``sum_k u_k^T v_k``: each worker sends its K rows of ``u``
+(the output's gradient) and ``v`` (the input) to every peer over the worker mesh, and every worker
+rebuilds the mean gradient with one GEMM over all ranks' rows in rank order — the same inputs in
+the same order through the same kernel, so every replica gets the same bits. The bias gradient is
+the mean of ``sum_k u_k``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ..errors import SyncTimeout
+from ..wire import Kind
+from . import factors
+from .bucket import Bucket
+from .cost import Scheme
+from .syncer import SyncContext, Syncer, SyncResult, register
+
+
+@register
+class SFBSyncer(Syncer):
+    """Args:
+        rank, world: this worker and how many there are.
+        peers: ``{rank: link}`` to every other worker.
+        reconstruct: ``reconstruct(us, vs, scale, out_w, out_b)``, the kernel (torch or CuPy).
+        executor: the thread it runs on (the GEMM releases the GIL; the loop keeps moving bytes).
+        timeout: seconds to wait for every peer's factors.
+    """
+
+    scheme = Scheme.SFB
+    captures_factors = True
+
+    def __init__(self, rank: int, world: int, peers, reconstruct, executor, timeout: float) -> None:
+        self.rank = rank
+        self.world = world
+        self._peers = dict(peers)
+        self._reconstruct = reconstruct
+        self._executor = executor
+        self._timeout = timeout
+
+    @classmethod
+    def build(cls, ctx: SyncContext) -> "SFBSyncer":
+        return cls(ctx.rank, ctx.world, ctx.peers, ctx.reconstruct, ctx.executor, ctx.timeout)
+
+    def start(self, bucket: Bucket, clock: int) -> asyncio.Task:
+        return asyncio.ensure_future(self._sync(bucket, clock))
+
+    async def _sync(self, bucket: Bucket, clock: int) -> SyncResult:
+        key = bucket.layers[0]
+        m, n = bucket.shape
+        u, v = bucket.factors
+        waits = {r: conn.expect(Kind.FACTORS, key, clock) for r, conn in self._peers.items()}
+        parts = factors.encode(u, v)
+        try:
+            await asyncio.gather(
+                *(conn.send(Kind.FACTORS, parts, key=key, clock=clock, dtype=factors.DTYPE, priority=bucket.priority) for conn in self._peers.values())
+            )
+            frames = await asyncio.wait_for(asyncio.gather(*waits.values()), self._timeout)
+        except asyncio.CancelledError:
+            for w in waits.values():
+                w.cancel()
+            raise
+        except TimeoutError:
+            missing = sorted(r for r, w in waits.items() if not w.done())
+            raise SyncTimeout(
+                f"rank {self.rank}: sufficient factors of layer {bucket.label} at clock {clock} did not arrive from "
+                f"ranks {missing} within {self._timeout} s"
+            ) from None
+        us, vs = [None] * self.world, [None] * self.world
+        us[self.rank], vs[self.rank] = u, v
+        for r, frame in zip(waits, frames):
+            us[r], vs[r] = factors.decode(frame, m, n, what=f"layer {bucket.label} at clock {clock}")
+        out_w = bucket.outs[0]
+        out_b = bucket.outs[1] if len(bucket.outs) > 1 else None
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._reconstruct, us, vs, 1.0 / self.world, out_w, out_b)
+        return SyncResult(factors.nbytes(u.shape[0], m, n) * len(self._peers), sum(f.header.length for f in frames))

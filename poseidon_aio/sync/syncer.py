@@ -1,0 +1,99 @@
+"""The Syncer interface: one class per scheme, ``start(bucket, clock) -> awaitable SyncResult``.
+
+In the spirit of DDP's communication hooks: the trainer hands a syncer a :class:`Bucket` the
+moment its gradient (or factors) exist and awaits the result before the optimizer steps. A scheme
+says, as class attributes, what it needs of the layers above and below it:
+
+* ``on_ps``: its layers' parameters are key-value pairs of the parameter server;
+* ``factored``: the parameter server rebuilds them from sufficient factors (Project Adam);
+* ``captures_factors``: the backward hooks keep the layer's ``(u, v)``, not its weight gradient.
+
+A scheme is added by writing its class and listing it in :data:`SYNCERS`; the trainer, the
+information book and the cost model's explain read these attributes.
+"""
+
+from __future__ import annotations
+
+import abc
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, ClassVar, Mapping, Optional
+
+from ..errors import ConfigError
+from .bucket import Bucket
+from .cost import Scheme
+
+
+@dataclass(slots=True)
+class SyncResult:
+    """What one sync cost: payload bytes this rank put on and took off a network (an in-process
+    link not counted), and the ranks a shard dropped from the aggregate (straggler policy)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    dropped: tuple = ()
+
+
+@dataclass
+class SyncContext:
+    """What syncers are built from.
+
+    Attributes:
+        rank, world: this worker and how many there are.
+        peers: ``{rank: link}`` of the worker mesh.
+        timeout: seconds any one sync may take (``PSConfig.sync_timeout``).
+        node: the parameter-server node, when a scheme in use keeps layers there.
+        ps_index: model manifest index -> the parameter server's manifest index.
+        reconstruct: the sufficient-factor kernel, ``reconstruct(us, vs, scale, out_w, out_b)``
+            (the trainer passes torch's or CuPy's; ``sync`` itself stays torch-free).
+        executor: the thread reconstructions run on.
+    """
+
+    rank: int
+    world: int
+    peers: Mapping[int, object]
+    timeout: float
+    node: object = None
+    ps_index: Mapping[int, int] = field(default_factory=dict)
+    reconstruct: Optional[Callable] = None
+    executor: Optional[Executor] = None
+
+
+class Syncer(abc.ABC):
+    """Synchronizes buckets of one scheme."""
+
+    scheme: ClassVar[Scheme]
+    on_ps: ClassVar[bool] = False
+    factored: ClassVar[bool] = False
+    captures_factors: ClassVar[bool] = False
+
+    @classmethod
+    @abc.abstractmethod
+    def build(cls, ctx: SyncContext) -> "Syncer":
+        """A syncer for this job."""
+
+    @abc.abstractmethod
+    def start(self, bucket: Bucket, clock: int) -> Awaitable[SyncResult]:
+        """Start synchronizing ``bucket`` for ``clock``; the awaitable resolves once every
+        ``bucket.outs`` holds its result.
+
+        Raises (from the awaitable):
+            SyncTimeout, ConnectionLost, WorkerLeft, RemoteProtocolError: the message names the
+                layer, the clock and the peer or shard.
+        """
+
+
+SYNCERS: dict = {}
+
+
+def register(cls: type) -> type:
+    """Class decorator: make ``cls`` the syncer of ``cls.scheme``."""
+    SYNCERS[cls.scheme] = cls
+    return cls
+
+
+def syncer_class(scheme: Scheme) -> type:
+    try:
+        return SYNCERS[Scheme(scheme)]
+    except (KeyError, ValueError):
+        raise ConfigError(f"no syncer for scheme {scheme!r}; known: {sorted(s.value for s in SYNCERS)}") from None
