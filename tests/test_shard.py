@@ -204,3 +204,36 @@ async def test_a_worker_that_stops_reading_fails_the_job_naming_it_under_bsp():
     for c in clients:
         c.abort()
     await shard.close()
+
+
+async def test_project_adam_goes_through_the_clock_straggler_and_late_path():
+    m, n, k = 6, 4, 3
+    book = InformationBook(
+        Manifest([ParamSpec("w", (m, n)), ParamSpec("b", (m,))]), workers=3, shards=1, factored=[["w", "b"]]
+    )
+    config = PSConfig(stragglers=StragglerPolicy(deadline=0.05, quorum=2))
+    shard, clients = await shard_with_workers(3, book, config)
+    key = book.messages[0].id
+    rng = np.random.default_rng(0)
+    us = [rng.standard_normal((k, m), dtype=np.float32) for _ in range(3)]
+    vs = [rng.standard_normal((k, n), dtype=np.float32) for _ in range(3)]
+    outs = [[np.empty(msg.nbytes // 4, np.float32) for msg in book.messages] for _ in range(2)]
+    waits = [c.expect(Kind.AGGREGATE, msg.id, 0, into=o) for c, out in zip(clients, outs) for msg, o in zip(book.messages, out)]
+    for r in (0, 1):  # rank 2 is late: dropped after the deadline, as a push would be
+        await clients[r].send(Kind.FACTORS, [us[r], vs[r]], key=key, clock=0, dtype=DType.FLOAT32)
+    await asyncio.gather(*waits)
+    assert len(book.messages) == 1  # one unit, one shard, one message: weight then bias
+    weight = outs[0][0][: m * n].reshape(m, n)
+    np.testing.assert_allclose(weight, (us[0].T @ vs[0] + us[1].T @ vs[1]) / 2, rtol=1e-5)
+    assert shard.stats.dropped == {2: 1}
+    await clients[2].send(Kind.FACTORS, [us[2], vs[2]], key=key, clock=0, dtype=DType.FLOAT32)
+    while shard.stats.late_discarded == 0:  # discarded, never rebuilt into clock 0 again
+        await asyncio.sleep(0.01)
+    # A payload that is not K rows of M + N floats ends that connection, naming the layer.
+    await clients[1].send(Kind.FACTORS, np.ones(7, np.float32), key=key, clock=1, dtype=DType.FLOAT32)
+    with pytest.raises(ConnectionLost, match="factors for w at clock 1 \\(6x4\\)"):
+        while True:  # past the notice that rank 2 was dropped from clock 0
+            await clients[1].recv(timeout=5)
+    for c in clients:
+        await c.close()
+    await shard.close()

@@ -5,7 +5,8 @@ from .checkpoint import CheckpointError
 from .client import PSClient, PushResult, WorkerLeft
 from .config import PSConfig, ServerSGD, StragglerPolicy
 from .node import PSNode
-from .shard import KVShard, ShardStats, reduce_mean
+from .shard import KVShard, ShardStats
+from .slots import reduce_mean
 
 __all__ = [
     "CheckpointError",

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..cluster.book import InformationBook, Message
 from ..errors import ConnectionLost, LocalProtocolError, RemoteProtocolError, SyncTimeout, WorkerLeft
-from ..wire import Frame, Kind
+from ..wire import Frame, Kind, factors
 from .config import PSConfig
 from .shard import WIRE_DTYPE
 
@@ -153,7 +153,8 @@ class PSClient:
             waits.append(conn.expect(Kind.AGGREGATE, m.id, clock, into=into))
         sent = u.nbytes + v.nbytes
         try:
-            await self._bounded(conn.send(Kind.FACTORS, [u, v], key=messages[0].id, clock=clock, dtype=WIRE_DTYPE["float32"], priority=priority), f"sending factors at clock {clock}", messages, clock)
+            send = conn.send(Kind.FACTORS, factors.encode(u, v), key=messages[0].id, clock=clock, dtype=factors.DTYPE, priority=priority)
+            await self._bounded(send, f"sending factors at clock {clock}", messages, clock)
             await self._bounded(asyncio.gather(*waits), f"the rebuilt matrices for clock {clock}", messages, clock)
         except BaseException:
             for fut in waits:
@@ -323,9 +324,9 @@ class PSClient:
             self._stalls[(int(info["message"]), int(info["clock"]))] = info
             _keep_newest(self._stalls)
         elif kind == "failed":
-            if not self._failure.done():
-                self._failure.set_exception(WorkerLeft(f"rank {self.rank} was told by shard {info['shard']}: {info['reason']}"))
-                self._failure.exception()
+            self.fail(WorkerLeft(f"rank {self.rank} was told by shard {info['shard']}: {info['reason']}"))
+        elif kind == "error":
+            self.fail(RemoteProtocolError(f"rank {self.rank}: shard {info['shard']} could not finalize message {info['message']} at clock {info['clock']}: {info['reason']}"))
         else:
             log.info("rank %d: ignoring notice of unknown type %r", self.rank, kind)
 

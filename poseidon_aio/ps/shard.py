@@ -5,10 +5,15 @@ receive slot per worker; pushes are written into their slot by the kernel (the c
 allocate hook). When every expected worker is in, it finalizes: the mean over the contributors,
 summed in rank order — bitwise the same whatever order the pushes arrived in — and sends it to
 every worker (AGGREGATE), or applies SGD and sends parameters (PARAMS) when the shard owns the
-optimizer. Clocks of one message finalize in order, so SSP's bound holds on every worker.
+optimizer. A layer synced by Project Adam's scheme arrives as every worker's sufficient factors
+(FACTORS) and is rebuilt with one GEMM; it goes through the same path: late clocks discarded,
+deadlines, stall reports, stragglers dropped. Clocks of one message finalize in order, so SSP's
+bound holds on every worker.
 
-Straggler dropping, stall reports, dead-worker reports and checkpoints live here too; what a worker
-sees of them arrives as CONTROL frames (JSON) before the data they concern.
+The pieces: :mod:`.slots` (receive slots, reply buffers), :mod:`.outbox` (what each worker is
+owed, bounded), :mod:`.sgd` (server-side SGD and its checkpoints), :mod:`.rebuild` (Project Adam).
+What a worker must know of drops, stalls and failures arrives as CONTROL frames (JSON) before the
+data they concern.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import asyncio
 import json
 import logging
 import statistics
-import sys
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,12 +30,16 @@ from typing import Optional
 import numpy as np
 
 from ..cluster.book import InformationBook, Message
-from ..errors import CheckpointError, RemoteProtocolError
+from ..errors import RemoteProtocolError
 from ..net import Endpoint
 from ..wire import DType, Frame, Header, Kind
+from ..wire import factors as sufficient_factors
 from . import checkpoint
 from .config import PSConfig
 from .outbox import Outbox, frame_bytes
+from .rebuild import rebuild
+from .sgd import ServerOptimizer
+from .slots import ReplyBuffers, SlotPool, reduce_mean
 
 log = logging.getLogger("poseidon_aio.ps")
 
@@ -55,54 +63,17 @@ class ShardStats:
 
 
 class _Pending:
+    """A message's clock in flight: who has pushed, into what, since when."""
+
     __slots__ = ("slots", "have", "landing", "first_at", "timers", "deadline_passed")
 
-    def __init__(self, slots: np.ndarray) -> None:
-        self.slots = slots
+    def __init__(self, slots) -> None:
+        self.slots = slots  # (workers, numel) array of pushes, or {rank: (u, v)} of factors
         self.have: set = set()
-        self.landing: set = set()
+        self.landing: set = set()  # ranks whose push the kernel is still writing into its slot
         self.first_at = 0.0
         self.timers: list = []
         self.deadline_passed = False
-
-
-def reduce_mean(slots: np.ndarray, contributors: list, out: Optional[np.ndarray] = None) -> np.ndarray:
-    """Mean of ``slots[r]`` over ``contributors``, summed in the given (sorted) order.
-
-    The order is fixed, so the result's bits do not depend on which push arrived first.
-    """
-    if out is None:
-        out = slots[contributors[0]].copy()
-    else:
-        np.copyto(out, slots[contributors[0]])
-    for r in contributors[1:]:
-        np.add(out, slots[r], out=out)
-    if len(contributors) > 1:
-        np.divide(out, out.dtype.type(len(contributors)), out=out)
-    return out
-
-
-class _ReplyBuffers:
-    """Reply buffers reused across clocks once no send still reads them.
-
-    A reply is sent to every worker straight from its buffer, and the transport may hold the
-    buffer until the kernel has taken the bytes; we cannot be told when. A buffer only the pool
-    still references (CPython's reference count) is free. Fresh buffers instead would cost a page fault, and the kernel zeroing a page, per 4 KiB
-    of every reply: 16 MiB per shard per step of a 64 MiB model on 4 workers.
-    """
-
-    def __init__(self) -> None:
-        self._free: dict = {}
-
-    def take(self, mid: int, numel: int, dtype: np.dtype) -> np.ndarray:
-        pool = self._free.setdefault(mid, [])
-        for i in range(len(pool)):
-            if sys.getrefcount(pool[i]) == 2:  # the list and getrefcount's argument
-                return pool[i]
-        buf = np.empty(numel, dtype=dtype)
-        if len(pool) < 4:
-            pool.append(buf)
-        return buf
 
 
 class KVShard:
@@ -113,7 +84,7 @@ class KVShard:
         book: the job's :class:`InformationBook`.
         config: :class:`PSConfig`.
         start_clock: first clock to expect (a restarted job's resume clock).
-        state: arrays from a checkpoint (server-side SGD), or ``None``.
+        state: the server-side optimizer's arrays (a checkpoint), or ``None``.
     """
 
     def __init__(
@@ -133,46 +104,36 @@ class KVShard:
         self._messages = {m.id: m for m in book.messages_of_shard(index)}
         self._dtype = {m.id: np.dtype(m.dtype) for m in self._messages.values()}
         self._numel = {m.id: m.nbytes // self._dtype[m.id].itemsize for m in self._messages.values()}
-        self._conns: dict = {}
-        self._ever: set = set()
-        self._all_left = asyncio.Event()
-        self._departed: dict = {}
-        self._outboxes = {r: Outbox(r, self._outbox_limit(), self._sent) for r in range(self.workers)}
-        self._ejected: dict = {}  # rank -> why
-        self._pending: dict = {}
-        self._free_slots: dict = {}
-        self._replies = _ReplyBuffers()
-        self._factors: dict = {}
+        # Project Adam: the layers this shard rebuilds, by their first message.
         self._factored = {}
         for layer in book.factored:
             found = book.factored_layer(book.messages_of_params(layer)[0].id)
             if found and found[1][0].shard == index:
                 self._factored[found[1][0].id] = found
+        self._rebuilt = {m.id for _, messages in self._factored.values() for m in messages}
+        self._conns: dict = {}
+        self._ever: set = set()
+        self._all_joined = asyncio.Event()
+        self._all_left = asyncio.Event()
+        self._departed: dict = {}
+        self._outboxes = {r: Outbox(r, self._outbox_limit(), self._sent) for r in range(self.workers)}
+        self._ejected: dict = {}  # rank -> why
+        self._pending: dict = {}
+        self._slots = SlotPool(self.workers)
+        self._replies = ReplyBuffers()
         self._finalized = {mid: start_clock - 1 for mid in self._messages}
         self._busy: set = set()
-        self._params: dict = {}
-        self._momentum: dict = {}
-        self._init: dict = {}
+        self._sgd = ServerOptimizer(config.server_sgd, index, self._dtype, config.checkpoint_every) if config.server_sgd else None
+        self._init: dict = {}  # message -> (clock, rank 0's start-up values) until every worker has them
         self._pullers: dict = {}
         self._lags: deque = deque(maxlen=64)
-        self._snapshots: dict = {}
         self._tasks: set = set()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"poseidon-shard{index}")
         self._loop = asyncio.get_running_loop()
         self._closed = False
         self._quorum = config.stragglers.quorum_of(self.workers)
-        if state is not None:
-            rebuilt = {m.id for _, messages in self._factored.values() for m in messages}
-            missing = sorted(mid for mid in self._messages if mid not in rebuilt and f"w{mid}" not in state)
-            if missing:
-                raise CheckpointError(
-                    f"shard {index}: the saved state has no parameters for messages {missing[:8]}: it was taken "
-                    "with another model, merge plan or cluster shape"
-                )
-            for mid in self._messages:
-                if f"w{mid}" in state:
-                    self._params[mid] = state[f"w{mid}"].astype(self._dtype[mid], copy=True)
-                    self._momentum[mid] = state[f"v{mid}"].astype(self._dtype[mid], copy=True)
+        if state is not None and self._sgd is not None:
+            self._sgd.load(state, [mid for mid in self._messages if mid not in self._rebuilt])
 
     # -- connections ------------------------------------------------------------------------
 
@@ -191,6 +152,8 @@ class KVShard:
             return
         self._conns[rank] = conn
         self._ever.add(rank)
+        if len(self._ever) == self.workers:
+            self._all_joined.set()
         conn.set_handler(lambda f: self._on_frame(conn, f), allocate=lambda h: self._allocate(conn, h))
         conn.on_close(self._on_lost)
         self._outboxes[rank].attach(conn)
@@ -224,8 +187,7 @@ class KVShard:
         return set(self._ever)
 
     async def wait_all_joined(self) -> None:
-        while len(self._ever) < self.workers:
-            await asyncio.sleep(0.05)
+        await self._all_joined.wait()
 
     async def wait_all_left(self) -> None:
         """Return once every worker has connected and every connection has ended."""
@@ -250,9 +212,9 @@ class KVShard:
         if header.kind is not Kind.PUSH:
             return None
         mid, clock = header.key, header.clock
-        if mid not in self._messages or header.length != self._messages[mid].nbytes:
+        if mid not in self._messages or mid in self._rebuilt or header.length != self._messages[mid].nbytes:
             return None
-        if clock <= self._finalized[mid]:
+        if self._settled(mid, clock):
             return None
         p = self._pending_for(mid, clock)
         rank = conn.peer_rank
@@ -261,13 +223,18 @@ class KVShard:
         p.landing.add(rank)
         return p.slots[rank]
 
+    def _settled(self, mid: int, clock: int) -> bool:
+        """No push counts for this clock any more: it has finalized, or its finalization is under
+        way (``_advance`` only ever starts the clock after the last finalized one, and has already
+        taken its pending entry: a repeat that reached ``_pending_for`` would open a new one that
+        never finalizes)."""
+        done = self._finalized[mid]
+        return clock <= done or (clock == done + 1 and mid in self._busy)
+
     def _pending_for(self, mid: int, clock: int) -> _Pending:
         p = self._pending.get((mid, clock))
         if p is None:
-            # Receive slots are reused clock after clock: fresh ones would cost a page fault (and
-            # the kernel zeroing the page) per 4 KiB received, ~80 MiB per process per step.
-            free = self._free_slots.get(mid)
-            slots = free.pop() if free else np.empty((self.workers, self._numel[mid]), dtype=self._dtype[mid])
+            slots = {} if mid in self._factored else self._slots.take(mid, self._numel[mid], self._dtype[mid])
             p = self._pending[(mid, clock)] = _Pending(slots)
         return p
 
@@ -275,12 +242,12 @@ class KVShard:
         kind = frame.kind
         if kind is Kind.PUSH:
             self._on_push(conn.peer_rank, frame, conn.is_local)
+        elif kind is Kind.FACTORS:
+            self._on_factors(conn.peer_rank, frame, conn.is_local)
         elif kind is Kind.PULL:
             self._on_pull(conn.peer_rank, frame)
         elif kind is Kind.PARAMS:
             self._on_initial_params(conn.peer_rank, frame)
-        elif kind is Kind.FACTORS:
-            self._on_factors(conn.peer_rank, frame, conn.is_local)
         else:
             raise RemoteProtocolError(f"shard {self.index} got an unexpected {kind.name} frame from rank {conn.peer_rank}")
 
@@ -301,22 +268,56 @@ class KVShard:
 
     def _on_push(self, rank: int, frame: Frame, local: bool = False) -> None:
         m = self._message(rank, frame)
-        mid, clock = m.id, frame.clock
+        if m.id in self._rebuilt:
+            raise RemoteProtocolError(
+                f"rank {rank} pushed a gradient for message {m.id} ({self._describe(m)}) at clock {frame.clock}, which "
+                f"shard {self.index} rebuilds from sufficient factors: the ranks' scheme plans differ"
+            )
+        self._count_in(frame, local)
+
+        def keep(p: _Pending) -> None:
+            if rank not in p.landing:  # not received into its slot (it came early, or in process)
+                p.slots[rank] = np.frombuffer(frame.payload, dtype=self._dtype[m.id])
+
+        self._arrived(rank, m.id, frame, keep)
+
+    def _on_factors(self, rank: int, frame: Frame, local: bool) -> None:
+        found = self._factored.get(frame.key)
+        if found is None:
+            raise RemoteProtocolError(
+                f"rank {rank} sent factors for message {frame.key} at clock {frame.clock} to shard {self.index}, "
+                "which rebuilds no layer there: the ranks' information books differ"
+            )
+        params = found[0]
+        m, n = self.book.manifest[params[0]].shape
+        u, v = sufficient_factors.decode(frame, m, n, what=f"{self.book.manifest[params[0]].name} at clock {frame.clock}")
+        self._count_in(frame, local)
+
+        def keep(p: _Pending) -> None:
+            p.slots[rank] = (u, v)  # views: every frame handed to the shard has a buffer of its own
+
+        self._arrived(rank, frame.key, frame, keep)
+
+    def _count_in(self, frame: Frame, local: bool) -> None:
         self.stats.bytes_in += frame.header.length
         if not local:
             self.stats.remote_bytes_in += frame.header.length
-        if clock <= self._finalized[mid]:
+
+    def _arrived(self, rank: int, mid: int, frame: Frame, store) -> None:
+        """Rank ``rank``'s contribution to message ``mid`` at the frame's clock: pushes and factors
+        alike are checked against the clock, kept, timed, and finalize the clock once complete."""
+        clock = frame.clock
+        if self._settled(mid, clock):
             self.stats.late_discarded += 1
-            log.info("shard %d: discarded rank %d's late push of message %d at clock %d", self.index, rank, mid, clock)
+            log.info("shard %d: discarded rank %d's late %s of message %d at clock %d", self.index, rank, frame.kind.name, mid, clock)
             return
         p = self._pending_for(mid, clock)
         if rank in p.have:
-            raise RemoteProtocolError(f"rank {rank} pushed message {mid} twice at clock {clock}")
+            raise RemoteProtocolError(f"rank {rank} sent {frame.kind.name} for message {mid} twice at clock {clock}")
         for gone in self._departed:
             if gone not in p.have:  # BSP cannot finalize without it: say so now, not at the timeout
                 self._report_departed(gone, [rank])
-        if rank not in p.landing:
-            p.slots[rank] = np.frombuffer(frame.payload, dtype=self._dtype[mid])
+        store(p)
         p.landing.discard(rank)
         p.have.add(rank)
         now = self._loop.time()
@@ -357,57 +358,6 @@ class KVShard:
         for r in p.have:
             self._send(r, [self._notice("stalled", message=mid, clock=clock, waiting_for=missing, waited=round(waited, 1))])
 
-    # -- the Project-Adam scheme: factors in, full matrices out -----------------------------
-
-    def _on_factors(self, rank: int, frame: Frame, local: bool) -> None:
-        layer = self._factored.get(frame.key)
-        if layer is None:
-            raise RemoteProtocolError(
-                f"rank {rank} sent factors for message {frame.key} at clock {frame.clock} to shard {self.index}, "
-                "which rebuilds no layer there: the ranks' information books differ"
-            )
-        params, messages = layer
-        m, n = self.book.manifest[params[0]].shape
-        floats = frame.header.length // 4
-        if frame.header.dtype is not DType.FLOAT32 or floats % (m + n):
-            raise RemoteProtocolError(
-                f"rank {rank} sent {frame.header.length} bytes of factors for {self.book.manifest[params[0]].name} "
-                f"({m}x{n}) at clock {frame.clock}: not K rows of {m}+{n} float32"
-            )
-        if not local:
-            self.stats.remote_bytes_in += frame.header.length
-        self.stats.bytes_in += frame.header.length
-        k = floats // (m + n)
-        arr = np.frombuffer(frame.payload, dtype=np.float32)
-        got = self._factors.setdefault((frame.key, frame.clock), {})
-        if rank in got:
-            raise RemoteProtocolError(f"rank {rank} sent factors for message {frame.key} twice at clock {frame.clock}")
-        got[rank] = (arr[: k * m].reshape(k, m).copy(), arr[k * m :].reshape(k, n).copy())
-        if len(got) == self.workers:
-            del self._factors[(frame.key, frame.clock)]
-            self._track(self._rebuild(params, messages, frame.clock, got))
-
-    async def _rebuild(self, params: tuple, messages: tuple, clock: int, got: dict) -> None:
-        """Sum u_p^T v_p in rank order with one GEMM, then reply every message of the layer."""
-        us = np.concatenate([got[r][0] for r in range(self.workers)])
-        vs = np.concatenate([got[r][1] for r in range(self.workers)])
-
-        def gemm():
-            scale = np.float32(1.0 / self.workers)
-            weight = (us.T @ vs) * scale
-            bias = us.sum(axis=0) * scale
-            return [weight.reshape(-1), bias]
-
-        flat = await self._loop.run_in_executor(self._pool, gemm)
-        values = {params[i]: flat[i] for i in range(len(params))}
-        for msg in messages:
-            parts = self.book.slices(msg, values)
-            payload = np.concatenate(parts) if len(parts) > 1 else parts[0]
-            self._finalized[msg.id] = clock
-            self.stats.finalized += 1
-            for r in range(self.workers):
-                self._send(r, [(Kind.AGGREGATE, payload, msg.id, clock, WIRE_DTYPE[msg.dtype])])
-
     # -- finalize ---------------------------------------------------------------------------
 
     def _advance(self, mid: int) -> None:
@@ -423,7 +373,7 @@ class KVShard:
             contributors = sorted(p.have)
         else:
             return
-        self._init.pop((mid, clock), None)  # every worker pulled its start-up values before pushing
+        self._init.pop(mid, None)  # every worker pulled its start-up values before pushing
         self._busy.add(mid)
         del self._pending[(mid, clock)]
         for timer in p.timers:
@@ -431,71 +381,76 @@ class KVShard:
         self._track(self._finalize(mid, clock, p, contributors))
 
     async def _finalize(self, mid: int, clock: int, p: _Pending, contributors: list) -> None:
-        m = self._messages[mid]
         try:
-            if m.nbytes > _OFFLOAD_BYTES:
-                out = self._replies.take(mid, self._numel[mid], self._dtype[mid])
-                mean = await self._loop.run_in_executor(self._pool, reduce_mean, p.slots, contributors, out)
+            if mid in self._factored:
+                params, messages = self._factored[mid]
+                replies = [
+                    (msg, Kind.AGGREGATE, payload, clock)
+                    for msg, payload in await self._loop.run_in_executor(self._pool, rebuild, self.book, params, messages, p.slots, contributors)
+                ]
             else:
-                mean = reduce_mean(p.slots, contributors, self._replies.take(mid, self._numel[mid], self._dtype[mid]))
-            if not p.landing:  # no late frame is still being written into these slots
-                self._free_slots.setdefault(mid, []).append(p.slots)
+                replies = [(self._messages[mid], *await self._reduce(mid, clock, p, contributors))]
             dropped = sorted(set(range(self.workers)) - set(contributors))
             for r in dropped:
                 self.stats.dropped[r] = self.stats.dropped.get(r, 0) + 1
             if dropped:
                 log.warning("shard %d: message %d at clock %d finalized without ranks %s", self.index, mid, clock, dropped)
-            sgd = self.config.server_sgd
-            if sgd is not None:
-                payload, kind, reply_clock = self._apply_sgd(mid, mean, sgd), Kind.PARAMS, clock + 1
-            else:
-                payload, kind, reply_clock = mean, Kind.AGGREGATE, clock
-            self._finalized[mid] = clock
-            self.stats.finalized += 1
             notice = [self._notice("dropped", message=mid, clock=clock, ranks=dropped)] if dropped else []
-            data = (kind, payload, mid, reply_clock, WIRE_DTYPE[m.dtype])
+            for msg, kind, payload, reply_clock in replies:
+                self._finalized[msg.id] = clock
+                self.stats.finalized += 1
+                for r in range(self.workers):
+                    self._send(r, [*notice, (kind, payload, msg.id, reply_clock, WIRE_DTYPE[msg.dtype])])
+            if self._sgd is not None and mid not in self._factored:
+                self._after_update(mid, clock + 1)
+        except RemoteProtocolError as exc:  # nothing to reply with: every worker must hear why
+            log.error("shard %d: %s", self.index, exc)
             for r in range(self.workers):
-                self._send(r, [*notice, data])
-            if sgd is not None:
-                self._maybe_checkpoint(mid, clock + 1)
-                self._answer_pullers(mid, clock + 1)
+                self._send(r, [self._notice("error", message=mid, clock=clock, reason=str(exc))])
         finally:
             self._busy.discard(mid)
         self._advance(mid)
 
-    def _apply_sgd(self, mid: int, grad: np.ndarray, sgd) -> np.ndarray:
-        w = self._params.get(mid)
-        if w is None:
-            raise RemoteProtocolError(
-                f"shard {self.index} has no parameters for message {mid}: with server-side SGD, "
-                "rank 0 must broadcast the initial parameters (PSClient.broadcast) before the first push"
-            )
-        v = self._momentum[mid]
-        if sgd.weight_decay:
-            grad = grad + w.dtype.type(sgd.weight_decay) * w
-        if sgd.momentum:
-            np.multiply(v, v.dtype.type(sgd.momentum), out=v)
-            np.add(v, grad, out=v)
-            step = v
+    async def _reduce(self, mid: int, clock: int, p: _Pending, contributors: list) -> tuple:
+        """``(kind, payload, reply clock)``: the mean, or with server-side SGD the new parameters."""
+        out = self._replies.take(mid, self._numel[mid], self._dtype[mid])
+        if self._messages[mid].nbytes > _OFFLOAD_BYTES:
+            mean = await self._loop.run_in_executor(self._pool, reduce_mean, p.slots, contributors, out)
         else:
-            step = grad
-        np.subtract(w, w.dtype.type(sgd.lr) * step, out=w)
-        return w.copy()  # the send keeps reading it; the next clock updates w in place
+            mean = reduce_mean(p.slots, contributors, out)
+        if not p.landing:  # no late frame is still being written into these slots
+            self._slots.give(mid, p.slots)
+        if self._sgd is not None:
+            return Kind.PARAMS, self._sgd.apply(mid, mean), clock + 1
+        return Kind.AGGREGATE, mean, clock
+
+    def _after_update(self, mid: int, version: int) -> None:
+        owned = sum(1 for m in self._messages if m not in self._rebuilt)
+        snap = self._sgd.snapshot(mid, version, owned)
+        if snap is not None:
+            self._track(self._write_checkpoint(version, snap))
+        self._answer_pullers(mid, version)
 
     # -- parameters: start-up broadcast and pulls -------------------------------------------
 
     def _on_initial_params(self, rank: int, frame: Frame) -> None:
         m = self._message(rank, frame)
         values = np.frombuffer(frame.payload, dtype=self._dtype[m.id]).copy()
-        self._init[(m.id, frame.clock)] = values
-        if self.config.server_sgd is not None:
-            self._params[m.id] = values.copy()
-            self._momentum[m.id] = np.zeros_like(values)
+        self._init[m.id] = (frame.clock, values)  # one per message: a peer cannot grow it
+        if self._sgd is not None:
+            self._sgd.init(m.id, values)
             self._finalized[m.id] = frame.clock - 1
         self._answer_pullers(m.id, frame.clock)
 
     def _on_pull(self, rank: int, frame: Frame) -> None:
         m = self._message(rank, frame)
+        # A pull is for the start-up values or the next version: bound what a peer can ask for.
+        horizon = self._finalized[m.id] + self.config.staleness + 2
+        if frame.clock > horizon:
+            raise RemoteProtocolError(
+                f"rank {rank} pulled message {m.id} for clock {frame.clock}, beyond clock {horizon} that shard {self.index} "
+                "can be asked for (its newest finalized clock plus the staleness bound)"
+            )
         self._pullers.setdefault((m.id, frame.clock), set()).add(rank)
         self._answer_pullers(m.id, frame.clock)
 
@@ -503,9 +458,10 @@ class KVShard:
         ranks = self._pullers.get((mid, clock))
         if not ranks:
             return
-        values = self._init.get((mid, clock))
-        if values is None and mid in self._params and self._finalized[mid] == clock - 1:
-            values = self._params[mid].copy()
+        init = self._init.get(mid)
+        values = init[1] if init is not None and init[0] == clock else None
+        if values is None and self._sgd is not None and self._sgd.has(mid) and self._finalized[mid] == clock - 1:
+            values = self._sgd.values(mid)
         if values is None:
             return
         m = self._messages[mid]
@@ -518,22 +474,7 @@ class KVShard:
     def state(self) -> dict:
         """A copy of the server-side optimizer's state (``w<message>``, ``v<message>`` arrays), the
         form ``KVShard(state=...)`` takes; empty without server-side SGD."""
-        out = {}
-        for mid in self._params:
-            out[f"w{mid}"] = self._params[mid].copy()
-            out[f"v{mid}"] = self._momentum[mid].copy()
-        return out
-
-    def _maybe_checkpoint(self, mid: int, version: int) -> None:
-        every = self.config.checkpoint_every
-        if not every or version % every:
-            return
-        snap = self._snapshots.setdefault(version, {})
-        snap[f"w{mid}"] = self._params[mid].copy()
-        snap[f"v{mid}"] = self._momentum[mid].copy()
-        if len(snap) == 2 * len(self._messages):
-            del self._snapshots[version]
-            self._track(self._write_checkpoint(version, snap))
+        return self._sgd.state() if self._sgd is not None else {}
 
     async def _write_checkpoint(self, version: int, arrays: dict) -> None:
         root, digest = self.config.checkpoint_dir, self.book.digest()

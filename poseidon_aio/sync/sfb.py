@@ -13,7 +13,7 @@ import asyncio
 
 from ..errors import SyncTimeout
 from ..wire import Kind
-from . import factors
+from ..wire import factors
 from .bucket import Bucket
 from .cost import Scheme
 from .syncer import SyncContext, Syncer, SyncResult, register

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import LocalProtocolError, RemoteProtocolError
-from ..wire import DType, Frame
+from .layout import DType, Frame
 
 DTYPE = DType.FLOAT32
 
