@@ -112,7 +112,9 @@ class PSNode:
             factored: fully-connected layers (``[weight, bias]`` names) synced by the
                 Project-Adam scheme (:meth:`PSClient.push_factors`).
         Raises:
-            ConfigError, ManifestMismatch, PeerTimeout, CheckpointError: start-up failed.
+            ConfigError, ManifestMismatch, PeerTimeout, CheckpointError: start-up failed; this
+                rank then publishes why (:meth:`Rendezvous.abort`).
+            StartupAborted: another rank failed during start-up (its reason is in the message).
         """
         self = cls()
         config = config or PSConfig()
@@ -128,7 +130,8 @@ class PSNode:
         self._factored = [list(f) for f in factored or ()]
         try:
             await self._join(manifest, net, groups, start_clock)
-        except BaseException:
+        except BaseException as exc:
+            await self._rdzv.abort(exc)  # the other ranks stop waiting for us, and hear why
             await self._teardown()
             raise
         return self

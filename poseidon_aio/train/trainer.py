@@ -228,7 +228,36 @@ class Trainer:
         await self.close(failed=exc_type is not None)
 
     async def start(self) -> None:
-        """Join the job: rendezvous, manifest check, worker mesh, rank 0's parameters everywhere."""
+        """Join the job: rendezvous, manifest check, worker mesh, rank 0's parameters everywhere.
+
+        Raises:
+            StoreUnavailable, PeerTimeout, ManifestMismatch, AuthenticationError: start-up failed
+                here; this rank then publishes why, so the others stop waiting at once.
+            StartupAborted: another rank failed during start-up (its reason is in the message).
+        """
+        try:
+            await self._join()
+        except Exception as exc:
+            await self._abandon_start(exc)
+            raise
+
+    async def _abandon_start(self, exc: Exception) -> None:
+        if self._rdzv is not None:
+            await self._rdzv.abort(exc)
+        for hook in [*self._ready.values(), *self._captures.values()]:
+            hook.remove()
+        self._ready.clear()
+        self._captures.clear()
+        if self._mesh is not None:
+            await self._mesh.close()
+        if self._rdzv is not None:
+            # The rank hosting the store keeps it up (at most 5 s) until the others have read
+            # the reason and left.
+            await self._rdzv.leave(5.0)
+        self._compute.shutdown(wait=False)
+        self._reduce.shutdown(wait=False)
+
+    async def _join(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poseidon-compute")
         self._reduce = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poseidon-reconstruct")
