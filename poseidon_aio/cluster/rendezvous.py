@@ -202,7 +202,10 @@ class Rendezvous:
         self.namespace = namespace
         self._store = None
         self._owner = True  # False for scoped views: leaving is their parent's business
-        self._abort_key = f"{namespace}/{ABORT_KEY}"
+        # A torchrun agent's store outlives a failed attempt: each restart gets its own abort key,
+        # or one failed start-up would abort every restart at once.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._abort_key = f"{namespace}/{ABORT_KEY}/{attempt}"
 
     @property
     def address(self) -> str:
