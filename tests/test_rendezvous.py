@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch.distributed  # noqa: F401 - as in a trainer; the rendezvous deadline starts after it
 
 from poseidon_aio.cluster import ClusterEnv, Rendezvous
 from poseidon_aio.errors import ConfigError, PeerTimeout, StartupAborted, StoreUnavailable

@@ -217,6 +217,8 @@ class Rendezvous:
 
         Rank 0 hosts the store unless a torchrun agent does (``TORCHELASTIC_USE_AGENT_STORE=true``).
         Every other rank retries refused connections until the deadline: the master may start late.
+        The deadline starts once ``torch.distributed`` is imported (seconds, once per process; a
+        trainer has imported it already).
 
         Raises:
             StoreUnavailable: no store answered in time; ``reason`` says whether nothing was
@@ -261,15 +263,20 @@ class Rendezvous:
     async def _dial(self, tcpstore, deadline: float):
         env = self.env
         host, port = env.master_addr, env.master_port
-        last = ("no answer", "no connect attempt finished")
+        last = None  # (reason, detail) of the latest attempt that says something about the address
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise self._unavailable(*last)
+                raise self._unavailable(*(last or ("no answer", "no connect attempt finished in time")))
+            probe_timeout = min(left, _PROBE_TIMEOUT)
             try:
-                state, detail = await _in_daemon_thread(_probe, host, port, min(left, _PROBE_TIMEOUT), timeout=left)
+                state, detail = await _in_daemon_thread(_probe, host, port, probe_timeout, timeout=left)
             except _Overdue:
                 state, detail = "no answer", f"connecting (resolving {host!r}) took over {left:.1f} s"
+            if state == "no answer" and probe_timeout < _PROBE_TIMEOUT and last is not None:
+                # Cut short by the deadline (on a loaded machine even a refusal can take that
+                # long): it says nothing new about the address.
+                continue
             if state == "accepts":
 
                 def make():
