@@ -23,6 +23,8 @@ __all__ = [
     "VersionMismatch",
     "ConnectionLost",
     "PeerTimeout",
+    "StoreUnavailable",
+    "StartupAborted",
     "SyncTimeout",
     "CheckpointError",
     "ManifestMismatch",
@@ -91,6 +93,37 @@ class ConnectionLost(PoseidonError, ConnectionError):
 
 class PeerTimeout(PoseidonError, TimeoutError):
     """A peer stayed silent longer than the idle timeout, or a connect/handshake took too long."""
+
+
+class StoreUnavailable(PeerTimeout):
+    """No rendezvous store answered at ``MASTER_ADDR:MASTER_PORT`` before the deadline.
+
+    Attributes:
+        address: ``"host:port"`` that was tried.
+        reason: what was wrong there: ``"nothing listening"`` (every connect was refused),
+            ``"not a rendezvous store"`` (something accepts TCP connections but does not answer
+            like a ``TCPStore``) or ``"no answer"`` (connects neither succeeded nor were refused:
+            a wrong address, a firewall, or a name that does not resolve).
+    """
+
+    def __init__(self, message: str, *, address: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.address = address
+        self.reason = reason
+
+
+class StartupAborted(PoseidonError, RuntimeError):
+    """Another rank failed during start-up and published why; this rank stopped waiting for it.
+
+    Attributes:
+        rank: the rank that failed.
+        reason: its error, as it published it (type and message).
+    """
+
+    def __init__(self, message: str, *, rank: int = -1, reason: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.reason = reason
 
 
 class SyncTimeout(PoseidonError, TimeoutError):

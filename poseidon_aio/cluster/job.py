@@ -45,7 +45,10 @@ class Job:
                 by default one is opened at ``MASTER_ADDR:MASTER_PORT``.
             timeout: seconds every rank may take to show up.
         Raises:
-            PeerTimeout, ManifestMismatch, AuthenticationError: the job could not form.
+            StoreUnavailable, PeerTimeout, ManifestMismatch, AuthenticationError: the job could not
+                form here; this rank publishes why (:meth:`Rendezvous.abort`) so the others stop
+                waiting at once.
+            StartupAborted: another rank failed during start-up (its reason is in the message).
         """
         owned = rendezvous is None
         if owned:
@@ -54,8 +57,11 @@ class Job:
         try:
             await rendezvous.check_manifest(manifest)
             mesh = await Mesh.start(rendezvous.scoped("mesh"), net, timeout=timeout, process_shaper=shaper)
-        except BaseException:
+        except BaseException as exc:
+            await rendezvous.abort(exc)
             if owned:
+                # The rank hosting the store keeps it up (at most 5 s) until the others have read
+                # the reason and left.
                 await rendezvous.leave(5.0)
             raise
         return cls(rendezvous, mesh, owned)

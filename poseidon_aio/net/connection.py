@@ -121,6 +121,11 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         return f"rank {self.peer_rank if self.peer_rank is not None else '?'} at {self.peer_address}"
 
     @property
+    def claimed_rank(self) -> Optional[int]:
+        """The rank the peer named in its handshake, authenticated or not (``None`` before)."""
+        return self._handshake.peer_rank
+
+    @property
     def is_open(self) -> bool:
         return self._exc is None and self._transport is not None
 
@@ -498,6 +503,8 @@ class Listener:
         address: ``(host, port)`` actually bound (port 0 picks a free one).
         connections: the open, authenticated connections.
         refused: the errors of handshakes that failed (most recent 100).
+        on_refused: ``None``, or ``f(conn, error)`` called for each of those as it fails (the
+            worker mesh uses it to stop waiting for a rank whose connection was refused).
     """
 
     def __init__(self, rank: int, on_connection: Callable[[Connection], Optional[Awaitable[None]]]) -> None:
@@ -505,6 +512,7 @@ class Listener:
         self.address: tuple = ("", 0)
         self.connections: set = set()
         self.refused: deque = deque(maxlen=100)
+        self.on_refused: Optional[Callable[[Connection, PoseidonError], None]] = None
         self._on_connection = on_connection
         self._server: Optional[asyncio.AbstractServer] = None
         self._tasks: set = set()
@@ -527,6 +535,8 @@ class Listener:
         except PoseidonError as exc:
             self.refused.append(exc)
             log.warning("rank %s refused a connection from %s: %s", self.rank, conn.peer_address, exc)
+            if self.on_refused is not None:
+                self.on_refused(conn, exc)
             return
         finally:
             self._handshaking.discard(conn)

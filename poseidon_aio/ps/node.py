@@ -119,7 +119,9 @@ class PSNode:
                 (:meth:`KVShard.state`, e.g. from a trainer checkpoint), with ``start_clock``
                 the clock it was taken at.
         Raises:
-            ConfigError, ManifestMismatch, PeerTimeout, CheckpointError: start-up failed.
+            ConfigError, ManifestMismatch, PeerTimeout, CheckpointError: start-up failed; this
+                rank then publishes why (:meth:`Rendezvous.abort`).
+            StartupAborted: another rank failed during start-up (its reason is in the message).
         """
         self = cls()
         config = config or PSConfig()
@@ -137,7 +139,8 @@ class PSNode:
         self._given_state = shard_state
         try:
             await self._join(manifest, net, groups, start_clock)
-        except BaseException:
+        except BaseException as exc:
+            await self._rdzv.abort(exc)  # the other ranks stop waiting for us, and hear why
             await self.teardown()
             raise
         return self

@@ -41,6 +41,28 @@ async def serve_shard(index: int, *, master_addr: str, master_port: int, workers
     env = ClusterEnv(rank=workers + index, world_size=workers, local_rank=0, master_addr=master_addr, master_port=master_port)
     rdzv = Rendezvous(env, timeout=timeout)
     await rdzv.start()
+    try:
+        shard, listener = await _join(rdzv, index, workers, net, env)
+    except Exception as exc:
+        await rdzv.abort(exc)  # the workers stop waiting for this shard, and hear why
+        raise
+    log.info("shard %d serving %d messages for %d workers on %s", index, len(shard.book.messages_of_shard(index)), workers, listener.address)
+    try:
+        try:
+            await asyncio.wait_for(shard.wait_all_joined(), timeout)
+        except TimeoutError:
+            missing = sorted(set(range(workers)) - shard.joined)
+            raise PeerTimeout(f"shard process {index}: workers {missing} did not connect within {timeout} s") from None
+        # Then as long as the job runs; dead workers' connections end by the idle timeout.
+        await shard.wait_all_left()
+    finally:
+        await listener.close()
+        await shard.close()
+    return {"finalized": shard.stats.finalized, "dropped": shard.stats.dropped, "late_discarded": shard.stats.late_discarded}
+
+
+async def _join(rdzv: Rendezvous, index: int, workers: int, net, env: ClusterEnv) -> tuple:
+    """Take the job's settings and manifest from the store, check the book, host the shard."""
     setup = json.loads(await rdzv.read("ps-setup", who="rank 0"))
     config = PSConfig.from_json(setup["config"])
     if not config.standalone_shards or not 0 <= index < (config.shards or 0):
@@ -59,19 +81,7 @@ async def serve_shard(index: int, *, master_addr: str, master_port: int, workers
     _, state = await agree_on_start(rdzv, config, book, index, 0)
     start_clock = int(await rdzv.read("digest/start clock/0", who="rank 0"))
     shard, listener = await host_shard(rdzv, index, env.rank, book, config, net, start_clock, state)
-    log.info("shard %d serving %d messages for %d workers on %s", index, len(book.messages_of_shard(index)), workers, listener.address)
-    try:
-        try:
-            await asyncio.wait_for(shard.wait_all_joined(), timeout)
-        except TimeoutError:
-            missing = sorted(set(range(workers)) - shard.joined)
-            raise PeerTimeout(f"shard process {index}: workers {missing} did not connect within {timeout} s") from None
-        # Then as long as the job runs; dead workers' connections end by the idle timeout.
-        await shard.wait_all_left()
-    finally:
-        await listener.close()
-        await shard.close()
-    return {"finalized": shard.stats.finalized, "dropped": shard.stats.dropped, "late_discarded": shard.stats.late_discarded}
+    return shard, listener
 
 
-__all__ = ["serve_shard", "PeerTimeout"]
+__all__ = ["serve_shard"]

@@ -239,8 +239,29 @@ class Trainer:
 
         Raises:
             ConfigError: no cluster token is set (see ``net``).
-            PeerTimeout, ManifestMismatch, AuthenticationError: the job could not form.
+            StoreUnavailable, PeerTimeout, ManifestMismatch, AuthenticationError: start-up failed
+                here; this rank then publishes why, so the others stop waiting at once.
+            StartupAborted: another rank failed during start-up (its reason is in the message).
         """
+        try:
+            await self._join()
+        except Exception as exc:
+            await self._abandon_start(exc)
+            raise
+
+    async def _abandon_start(self, exc: Exception) -> None:
+        for hook in [*self._ready.values(), *self._captures.values()]:
+            hook.remove()
+        self._ready.clear()
+        self._captures.clear()
+        if self._job is not None:  # (Job.join publishes its own failures)
+            await self._job.rendezvous.abort(exc)
+            await self._job.leave(failed=True)
+        for pool in (getattr(self, "_compute", None), getattr(self, "_reduce", None)):
+            if pool is not None:
+                pool.shutdown(wait=False)
+
+    async def _join(self) -> None:
         self._loop = asyncio.get_running_loop()
         if self.net is None:
             self.net = config_from_env()  # before anything waits: a missing token fails at once
