@@ -236,7 +236,7 @@ class KVShard:
         mid, clock = header.key, header.clock
         if mid not in self._messages or header.length != self._messages[mid].nbytes:
             return None
-        if clock <= self._finalized[mid]:
+        if self._settled(mid, clock):
             return None
         p = self._pending_for(mid, clock)
         rank = conn.peer_rank
@@ -244,6 +244,14 @@ class KVShard:
             return None
         p.landing.add(rank)
         return p.slots[rank]
+
+    def _settled(self, mid: int, clock: int) -> bool:
+        """No push counts for this clock any more: it has finalized, or its finalization is under
+        way (``_advance`` only ever starts the clock after the last finalized one, and has already
+        taken its pending entry: a repeat that reached ``_pending_for`` would open a new one that
+        never finalizes)."""
+        done = self._finalized[mid]
+        return clock <= done or (clock == done + 1 and mid in self._busy)
 
     def _pending_for(self, mid: int, clock: int) -> _Pending:
         p = self._pending.get((mid, clock))
@@ -289,7 +297,7 @@ class KVShard:
         self.stats.bytes_in += frame.header.length
         if not local:
             self.stats.remote_bytes_in += frame.header.length
-        if clock <= self._finalized[mid]:
+        if self._settled(mid, clock):
             self.stats.late_discarded += 1
             log.info("shard %d: discarded rank %d's late push of message %d at clock %d", self.index, rank, mid, clock)
             return
