@@ -60,7 +60,7 @@ def _worker(rank: int, world: int, port: int, cases: list, warmup: int, repeats:
             grads = [np.random.default_rng([rank, i]).standard_normal(s, dtype=np.float32) for i, s in enumerate(shapes)]
             outs = [np.empty_like(g) for g in grads]
             gloo_bufs = [torch.empty(s) for s in shapes]
-            node = await PSNode.start(manifest, PSConfig(chunk_bytes=chunk, sync_timeout=600), rendezvous=rdzv.scoped(f"case{n}"))
+            node = await PSNode.start(manifest, PSConfig(chunk_bytes=chunk, sync_timeout=600), rendezvous=rdzv.job(f"case{n}"))
             times = {"gloo": [], "ours": []}
             for clock in range(warmup + repeats):
                 for b, g in zip(gloo_bufs, grads):

@@ -26,10 +26,9 @@ from typing import Optional
 import numpy as np
 
 from poseidon_aio.cluster.rendezvous import ClusterEnv, Rendezvous
-from poseidon_aio.errors import ConnectionLost, PeerTimeout, RemoteProtocolError, SyncTimeout
+from poseidon_aio.errors import ConnectionLost, PeerTimeout, RemoteProtocolError, StartupAborted, SyncTimeout, WorkerLeft
 from poseidon_aio.net import NetConfig, run
 from poseidon_aio.ps import PSConfig, PSNode, ServerSGD
-from poseidon_aio.ps.client import WorkerLeft
 
 from .cluster import collect, start_workers
 from .faultproxy import Direction, FaultPlan, FaultProxy
@@ -55,7 +54,7 @@ HEARTBEAT = 0.5
 # What the suite accepts as a documented end: the PoseidonError family a user is told to expect
 # from a broken network (ConnectionLost, FrameError and the rest of RemoteProtocolError,
 # PeerTimeout, SyncTimeout) and WorkerLeft.
-DOCUMENTED = (ConnectionLost, RemoteProtocolError, PeerTimeout, SyncTimeout, WorkerLeft)
+DOCUMENTED = (ConnectionLost, RemoteProtocolError, PeerTimeout, SyncTimeout, WorkerLeft, StartupAborted)
 
 
 def net_config() -> NetConfig:
@@ -207,7 +206,7 @@ def run_case(rank: int, store: Rendezvous, case: Case) -> Outcome:
 
     async def main():
         asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: out.loop_errors.append(_loop_error(ctx)))
-        view = store.scoped(case.name)
+        view = store.job(case.name)
         view.timeout = RENDEZVOUS_TIMEOUT
         rdzv = ProxiedRendezvous(view, {s: plan for (r, s), plan in case.plans.items() if r == rank})
         try:

@@ -72,7 +72,7 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
             merging = MergeConfig(kind=merge[0] if merge else None, after=1, calibration_sizes=(4096, 65536))
             trainer = poseidon_aio.Trainer(
                 model, opt, nn.functional.cross_entropy, mode=mode, schemes=overrides,
-                ps=PSConfig(**ps_kwargs), rendezvous=rdzv.scoped(label), merge=merging,
+                ps=PSConfig(**ps_kwargs), rendezvous=rdzv.job(label), merge=merging,
             )
             stats = []
             async with trainer:
@@ -359,7 +359,7 @@ def checkpoint_worker(rank: int, runs: list, seed: int, steps: int):
                 opt = torch.optim.Adam(model.parameters(), lr=0.01)
                 merge = MergeConfig(after=1, calibration_sizes=(4096, 65536))
                 kwargs = dict(mode="poseidon", schemes={"fc1": "sfb"}, merge=merge, ps=PSConfig(sync_timeout=30))
-            trainer = poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, rendezvous=rdzv.scoped(label), **kwargs)
+            trainer = poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, rendezvous=rdzv.job(label), **kwargs)
             async with trainer:
                 start = await trainer.restore(directory) if os.path.isdir(directory) else 0
                 for t in range(start, steps):

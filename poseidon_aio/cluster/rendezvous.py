@@ -323,15 +323,24 @@ class Rendezvous:
         return self._store
 
     def scoped(self, namespace: str) -> "Rendezvous":
-        """A view of the same store under another key prefix (several jobs on one store).
+        """A view of the same store under another key prefix, for a part of this job (its mesh,
+        its parameter server).
 
-        The view shares this rendezvous's abort key: a start-up failure under any prefix stops
-        every wait on the store.
+        The view shares this rendezvous's abort key: a start-up failure in any part stops every
+        wait of the job.
         """
         other = Rendezvous(self.env, timeout=self.timeout, namespace=f"{self.namespace}/{namespace}")
         other._store = self._store
         other._owner = False
         other._abort_key = self._abort_key
+        return other
+
+    def job(self, namespace: str) -> "Rendezvous":
+        """A view of the same store for another job (several trainers one after another over one
+        store): its own key prefix and its own abort key, so one job's failed start does not
+        abort the next."""
+        other = self.scoped(namespace)
+        other._abort_key = f"{other.namespace}/{ABORT_KEY}/{self._abort_key.rsplit('/', 1)[1]}"
         return other
 
     def _key(self, name: str) -> str:

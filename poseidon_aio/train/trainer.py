@@ -128,7 +128,7 @@ class Trainer:
         broadcast_buffers: at the end of every step, send rank 0's buffers (BatchNorm running
             statistics) to every rank, so replicas (and a model saved on any rank) stay identical.
         env: the launcher environment (default: ``RANK``, ``WORLD_SIZE``, ... from the environment).
-        rendezvous: an already started :class:`Rendezvous` (a ``scoped`` view), to run several
+        rendezvous: an already started :class:`Rendezvous` (a ``job`` view), to run several
             trainers one after another over one store.
 
     Raises:
