@@ -4,17 +4,19 @@
 Header encode/decode and the stream decoder's bookkeeping run in C; CRC-32 uses a table built at
 import (the IEEE polynomial zlib uses, so both codecs agree bit for bit). Payload bytes are moved
 with one ``memcpy`` from the scratch buffer, or not at all when the kernel wrote them straight into
-the destination. Imports nothing from asyncio, socket or torch.
+the destination; a payload buffer the decoder owns grows as bytes arrive, like the twin's.
+Imports nothing from asyncio, socket or torch.
 """
 
-from cpython.bytearray cimport PyByteArray_AS_STRING
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memmove
 
 from poseidon_aio.errors import FrameError, LocalProtocolError
 from poseidon_aio.wire.layout import (
-    DEFAULT_MAX_PAYLOAD, ITEMSIZE_BY_CODE, KNOWN_KINDS, MAGIC, DType, Frame, Header, Kind,
+    DEFAULT_MAX_PAYLOAD, INITIAL_PAYLOAD_BUFFER, ITEMSIZE_BY_CODE, KNOWN_KINDS, MAGIC, DType, Frame, Header,
+    Kind,
 )
 
 DEF HEADER_SIZE = 40
@@ -193,6 +195,7 @@ cdef class FrameDecoder:
 
     cdef public object max_payload
     cdef public object allocate
+    cdef Py_ssize_t _initial_payload
     cdef bytearray _buf
     cdef memoryview _view
     cdef Py_ssize_t _start
@@ -200,16 +203,24 @@ cdef class FrameDecoder:
     cdef object _header
     cdef object _dest            # memoryview handed out in frames
     cdef uint8_t[::1] _destmv    # the same memory, typed, for memcpy
-    cdef Py_ssize_t _destlen
+    cdef Py_ssize_t _destcap     # its size: the payload length, or less while the decoder owns it
+    cdef Py_ssize_t _length      # the payload's announced length
+    cdef bint _owned             # the decoder allocated _dest (it grows) rather than `allocate`
     cdef Py_ssize_t _filled
     cdef bint _lent_dest
     cdef object _error
 
-    def __init__(self, *, max_payload=DEFAULT_MAX_PAYLOAD, allocate=None, scratch_size=1 << 16):
+    def __init__(
+        self, *, max_payload=DEFAULT_MAX_PAYLOAD, allocate=None, scratch_size=1 << 16,
+        initial_payload_buffer=INITIAL_PAYLOAD_BUFFER,
+    ):
         if scratch_size < HEADER_SIZE:
             raise LocalProtocolError(f"scratch_size must be at least {HEADER_SIZE}")
+        if initial_payload_buffer < 1:
+            raise LocalProtocolError("initial_payload_buffer must be at least 1 byte")
         self.max_payload = max_payload
         self.allocate = allocate
+        self._initial_payload = initial_payload_buffer
         self._buf = bytearray(scratch_size)
         self._view = memoryview(self._buf)
         self._start = 0
@@ -217,7 +228,9 @@ cdef class FrameDecoder:
         self._header = None
         self._dest = None
         self._destmv = None
-        self._destlen = 0
+        self._destcap = 0
+        self._length = 0
+        self._owned = False
         self._filled = 0
         self._lent_dest = False
         self._error = None
@@ -225,6 +238,10 @@ cdef class FrameDecoder:
     @property
     def buffered(self):
         return self._end - self._start + self._filled
+
+    @property
+    def own_payload_bytes(self):
+        return self._destcap if self._owned else 0
 
     @property
     def partial(self):
@@ -240,8 +257,9 @@ cdef class FrameDecoder:
         cdef Py_ssize_t offset = 0
         cdef Py_ssize_t n
         if self._dest is not None and self._start == self._end:
-            n = min(total, self._destlen - self._filled)
+            n = min(total, self._length - self._filled)
             if n:
+                self._room(n)
                 memcpy(&self._destmv[self._filled], &src[0], n)
             self._filled += n
             offset = n
@@ -254,7 +272,8 @@ cdef class FrameDecoder:
     def get_buffer(self, Py_ssize_t sizehint=-1):
         if self._error is not None:
             raise self._error
-        if self._dest is not None and self._start == self._end and self._filled < self._destlen:
+        if self._dest is not None and self._start == self._end and self._filled < self._length:
+            self._room(1)
             self._lent_dest = True
             return self._dest[self._filled:]
         self._lent_dest = False
@@ -287,6 +306,29 @@ cdef class FrameDecoder:
         self._start = 0
         self._end = used
 
+    cdef _own(self, Py_ssize_t size):
+        # Not zero-filled: every byte is written before the frame is handed out, and untouched
+        # pages of a large buffer then cost no memory until bytes arrive.
+        grown = PyByteArray_FromStringAndSize(NULL, size)
+        cdef uint8_t[::1] mv = grown
+        if self._filled:
+            memcpy(&mv[0], &self._destmv[0], self._filled)
+        self._dest = memoryview(grown)
+        self._destmv = mv
+        self._destcap = size
+
+    cdef _room(self, Py_ssize_t n):
+        cdef Py_ssize_t need = self._filled + n
+        cdef Py_ssize_t size = self._destcap
+        if need <= size:
+            return
+        size = 2 * size
+        if size < need:
+            size = need
+        if size > self._length:
+            size = self._length
+        self._own(size)
+
     def next_frame(self):
         if self._error is not None:
             raise self._error
@@ -298,17 +340,18 @@ cdef class FrameDecoder:
             base = <uint8_t*>PyByteArray_AS_STRING(self._buf)
             try:
                 header = _decode(base + self._start, self.max_payload)
-            except FrameError as exc:
+                self._start += HEADER_SIZE
+                self._header = header
+                self._set_destination(header)
+            except Exception as exc:
                 self._error = exc
                 raise
-            self._start += HEADER_SIZE
-            self._header = header
-            self._set_destination(header)
             self._filled = 0
-        need = self._destlen - self._filled
+        need = self._length - self._filled
         have = self._end - self._start
         if need and have:
             n = need if need < have else have
+            self._room(n)
             base = <uint8_t*>PyByteArray_AS_STRING(self._buf)
             memcpy(&self._destmv[self._filled], base + self._start, n)
             self._filled += n
@@ -316,36 +359,43 @@ cdef class FrameDecoder:
         if self._start == self._end:
             self._start = 0
             self._end = 0
-        if self._filled < self._destlen:
+        if self._filled < self._length:
             return None
         frame = Frame(self._header, self._dest)
         self._header = None
         self._dest = None
         self._destmv = None
-        self._destlen = 0
+        self._destcap = 0
+        self._length = 0
+        self._owned = False
         self._filled = 0
         return frame
 
     cdef _set_destination(self, header):
         cdef Py_ssize_t length = header.length
+        self._length = length
+        self._owned = False
+        self._filled = 0
         dest = None
         if length == 0:
             self._dest = memoryview(bytearray(0))
             self._destmv = None
-            self._destlen = 0
+            self._destcap = 0
             return
         if self.allocate is not None:
             dest = self.allocate(header)
         if dest is None:
-            view = memoryview(bytearray(length))
-        else:
-            view = _byte_view(dest)
-            if view.readonly or view.nbytes != length:
-                raise LocalProtocolError(
-                    f"destination for kind {header.kind.name} key {header.key} clock {header.clock} "
-                    f"must be a writable buffer of {length} bytes, got "
-                    f"{view.nbytes} bytes{' (read-only)' if view.readonly else ''}"
-                )
+            self._destmv = None
+            self._own(length if length < self._initial_payload else self._initial_payload)
+            self._owned = True
+            return
+        view = _byte_view(dest)
+        if view.readonly or view.nbytes != length:
+            raise LocalProtocolError(
+                f"destination for kind {header.kind.name} key {header.key} clock {header.clock} "
+                f"must be a writable buffer of {length} bytes, got "
+                f"{view.nbytes} bytes{' (read-only)' if view.readonly else ''}"
+            )
         self._dest = view
         self._destmv = view
-        self._destlen = length
+        self._destcap = length

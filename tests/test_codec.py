@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import random
+import tracemalloc
 import zlib
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poseidon_aio.errors import FrameError, LocalProtocolError
-from poseidon_aio.wire import CODECS, HEADER_SIZE, ITEMSIZE, DType, Kind
+from poseidon_aio.errors import FrameError, LocalProtocolError, RemoteProtocolError
+from poseidon_aio.wire import CODECS, HEADER_SIZE, INITIAL_PAYLOAD_BUFFER, ITEMSIZE, DType, Kind
 
 kinds = st.sampled_from(list(Kind))
 dtypes = st.sampled_from(list(DType))
@@ -54,6 +55,7 @@ def _check(frame, spec):
     )
     assert h.length == len(spec["payload"])
     assert bytes(frame.payload) == spec["payload"]
+    assert frame.payload.nbytes == h.length and not frame.payload.readonly and frame.payload.c_contiguous
 
 
 @given(spec=frame_specs())
@@ -66,9 +68,14 @@ def test_header_round_trip_and_twins_agree(spec):
     assert len(set(headers.values())) == 1
 
 
+# A payload the decoder buffers itself starts at this many bytes and doubles: 1 and 5 make the
+# small payloads of these tests cross several growths at every possible cut.
+initial_buffers = st.sampled_from([1, 5, 64, INITIAL_PAYLOAD_BUFFER])
+
+
 @settings(max_examples=60)
-@given(specs=st.lists(frame_specs(), min_size=1, max_size=8), seed=st.integers(0, 2**32))
-def test_stream_whole_bytewise_and_random_chunks(codec, specs, seed):
+@given(specs=st.lists(frame_specs(), min_size=1, max_size=8), seed=st.integers(0, 2**32), initial=initial_buffers)
+def test_stream_whole_bytewise_and_random_chunks(codec, specs, seed, initial):
     data = b"".join(_encode(codec, s) for s in specs)
     rng = random.Random(seed)
     cuts, i = [], 0
@@ -77,7 +84,7 @@ def test_stream_whole_bytewise_and_random_chunks(codec, specs, seed):
         cuts.append(data[i : i + n])
         i += n
     for chunks in ([data], [data[i : i + 1] for i in range(len(data))], cuts):
-        frames, dec = _decode_all(codec, data, chunks)
+        frames, dec = _decode_all(codec, data, chunks, initial_payload_buffer=initial)
         assert len(frames) == len(specs)
         for frame, spec in zip(frames, specs):
             _check(frame, spec)
@@ -85,8 +92,12 @@ def test_stream_whole_bytewise_and_random_chunks(codec, specs, seed):
 
 
 @settings(max_examples=40)
-@given(specs=st.lists(frame_specs(max_items=300), min_size=1, max_size=6), seed=st.integers(0, 2**32))
-def test_buffered_protocol_path_with_destinations(codec, specs, seed):
+@given(
+    specs=st.lists(frame_specs(max_items=300), min_size=1, max_size=6),
+    seed=st.integers(0, 2**32),
+    initial=initial_buffers,
+)
+def test_buffered_protocol_path_with_destinations(codec, specs, seed, initial):
     """get_buffer/buffer_updated, as asyncio.BufferedProtocol drives it, with zero-copy targets."""
     data = b"".join(_encode(codec, s) for s in specs)
     rng = random.Random(seed)
@@ -99,7 +110,7 @@ def test_buffered_protocol_path_with_destinations(codec, specs, seed):
         dests.append(buf)
         return buf
 
-    dec = codec.FrameDecoder(allocate=allocate, scratch_size=64)
+    dec = codec.FrameDecoder(allocate=allocate, scratch_size=64, initial_payload_buffer=initial)
     frames, pos = [], 0
     while pos < len(data):
         buf = dec.get_buffer(rng.choice([-1, 1, 4096]))
@@ -140,6 +151,66 @@ def test_wrong_destination_size_is_our_error(codec):
     dec.feed(data)
     with pytest.raises(LocalProtocolError, match="writable buffer of 4 bytes"):
         dec.next_frame()
+    with pytest.raises(LocalProtocolError, match="writable buffer of 4 bytes"):  # the decoder stays failed
+        dec.get_buffer(-1)
+
+
+def test_an_allocate_hook_that_raises_leaves_the_decoder_failed(codec):
+    def refuse(header):
+        raise RemoteProtocolError(f"no slot for key {header.key}")
+
+    data = codec.encode_frame(Kind.PUSH, b"abcd", rank=0, key=7) + codec.encode_frame(Kind.DATA, b"x", rank=0)
+    dec = codec.FrameDecoder(allocate=refuse)
+    dec.feed(data)
+    with pytest.raises(RemoteProtocolError, match="no slot for key 7"):
+        dec.next_frame()
+    for later in (dec.next_frame, lambda: dec.feed(b"more"), lambda: dec.get_buffer(-1)):
+        with pytest.raises(RemoteProtocolError, match="no slot for key 7"):
+            later()
+
+
+def _announce(codec, length: int) -> bytes:
+    return codec.encode_header(Kind.PUSH, rank=3, key=1, clock=2, length=length, dtype=DType.FLOAT32)
+
+
+@pytest.mark.parametrize("path", ["feed", "get_buffer"])
+def test_a_payload_nobody_registered_grows_with_the_bytes_received(codec, path):
+    """A peer announcing 1 GiB and sending 3 MiB costs the decoder a few MiB, not 1 GiB."""
+    announced, sent, chunk = 1 << 30, 3 << 20, 64 * 1024
+    dec = codec.FrameDecoder(max_payload=announced)
+    tracemalloc.start()
+    try:
+        dec.feed(_announce(codec, announced))
+        assert dec.next_frame() is None
+        assert dec.own_payload_bytes == INITIAL_PAYLOAD_BUFFER
+        block = bytes(range(256)) * (chunk // 256)
+        for received in range(chunk, sent + 1, chunk):
+            if path == "feed":
+                dec.feed(block)
+            else:
+                buf = dec.get_buffer(chunk)
+                n = min(len(buf), chunk)
+                buf[:n] = block[:n]
+                dec.buffer_updated(n)
+                if n < chunk:
+                    dec.feed(block[n:])
+            assert dec.next_frame() is None
+            # Doubling: never more than twice what arrived (or the first buffer).
+            assert dec.own_payload_bytes <= max(INITIAL_PAYLOAD_BUFFER, 2 * received)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert dec.partial[1] == sent and dec.buffered == sent
+    assert peak < 16 << 20, f"decoding 3 MiB of a 1 GiB announcement allocated {peak} bytes at peak"
+
+
+def test_a_grown_payload_is_one_contiguous_buffer_of_its_length(codec):
+    payload = bytes(random.Random(1).randbytes(5 * 1024 * 1024 + 3))
+    data = codec.encode_frame(Kind.DATA, payload, rank=1, key=2, clock=3)
+    frames, dec = _decode_all(codec, data, [data[i : i + 100_000] for i in range(0, len(data), 100_000)])
+    (frame,) = frames
+    assert frame.payload.nbytes == len(payload) and frame.payload.c_contiguous and not frame.payload.readonly
+    assert bytes(frame.payload) == payload and dec.own_payload_bytes == 0
 
 
 def _mutate_header(data: bytes, offset: int, value: bytes, fix_crc: bool = True) -> bytes:
@@ -226,8 +297,9 @@ def _mutations(rng: random.Random, data: bytes) -> bytes:
     specs=st.lists(frame_specs(), max_size=3),
     seed=st.integers(0, 2**32),
     chunk=st.integers(1, 64),
+    initial=initial_buffers,
 )
-def test_fuzz_frames_or_frame_error_nothing_else(raw, specs, seed, chunk):
+def test_fuzz_frames_or_frame_error_nothing_else(raw, specs, seed, chunk, initial):
     """h11's invariant: any input parses or raises the protocol error, nothing else; twins agree."""
     rng = random.Random(seed)
     valid = b"".join(_encode(CODECS["python"], s) for s in specs)
@@ -235,7 +307,7 @@ def test_fuzz_frames_or_frame_error_nothing_else(raw, specs, seed, chunk):
     for data in inputs:
         results = {}
         for name, mod in CODECS.items():
-            dec = mod.FrameDecoder(max_payload=1 << 16)
+            dec = mod.FrameDecoder(max_payload=1 << 16, initial_payload_buffer=initial)
             frames, error = [], None
             try:
                 for i in range(0, len(data), chunk):
@@ -244,5 +316,5 @@ def test_fuzz_frames_or_frame_error_nothing_else(raw, specs, seed, chunk):
                         frames.append((frame.header, bytes(frame.payload)))
             except FrameError as exc:
                 error = str(exc)
-            results[name] = (frames, error, dec.buffered if error is None else None)
+            results[name] = (frames, error, (dec.buffered, dec.own_payload_bytes) if error is None else None)
         assert len({repr(r) for r in results.values()}) == 1, results

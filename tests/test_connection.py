@@ -9,9 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from poseidon_aio.errors import ConnectionLost, LocalProtocolError, PeerTimeout
-from poseidon_aio.wire import DType, Kind
+from poseidon_aio.errors import ConnectionLost, FrameError, LocalProtocolError, PeerTimeout, RemoteProtocolError
+from poseidon_aio.wire import DType, Kind, encode_header
 
+from .conditions import until
 from .memtransport import connected_pair, run_async
 from .procs import net_config
 
@@ -65,10 +66,11 @@ async def test_duplicate_expectation_is_refused_and_cancelled_one_frees_the_slot
     with pytest.raises(LocalProtocolError, match="already expected"):
         server.expect(Kind.PUSH, 3, 4)
     fut.cancel()
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one loop turn: the cancelled future's done-callback frees the slot
     again = server.expect(Kind.PUSH, 3, 4, into=bytearray(2))
     await client.send(Kind.PUSH, b"ok", key=3, clock=4)
-    assert bytes((await again).payload) == b"ok"
+    async with asyncio.timeout(10):
+        assert bytes((await again).payload) == b"ok"
     await client.close()
 
 
@@ -82,9 +84,9 @@ async def test_priorities_order_frames_queued_behind_backpressure():
         asyncio.ensure_future(client.send(Kind.DATA, bytes(100), clock=c, priority=p))
         for c, p in [(1, 9), (2, 9), (3, 0), (4, 5)]
     ]
-    await asyncio.gather(*sends)
-    while len(order) < 5:
-        await asyncio.sleep(0)
+    async with asyncio.timeout(10):
+        await asyncio.gather(*sends)
+    await until(lambda: len(order) == 5, what="all five frames reaching the handler")
     assert order == [0, 3, 4, 1, 2]
     await client.close()
 
@@ -93,8 +95,7 @@ async def test_inbox_pauses_reading_until_the_consumer_catches_up():
     client, server = await connected_pair(net_config(), net_config(inbox_high_water=10_000), max_chunk=4096)
     for clock in range(10):
         await client.send(Kind.DATA, bytes(4000), clock=clock)
-    for _ in range(200):
-        await asyncio.sleep(0)
+    await until(lambda: server.max_inbox_bytes > 10_000, what="the inbox passing its high-water mark")
     # Reading pauses once the inbox passes the mark; bytes of the read in hand still decode.
     assert server.max_inbox_bytes <= 10_000 + 4096 + 4000
     for clock in range(10):
@@ -119,7 +120,8 @@ async def test_handshake_timeout_is_a_peer_timeout():
     t.protocol = conn
     conn.connection_made(t)
     with pytest.raises(PeerTimeout, match="handshake .* did not complete"):
-        await conn.wait_ready()
+        async with asyncio.timeout(10):
+            await conn.wait_ready()
 
 
 async def test_send_after_close_raises_connection_lost_naming_the_peer():
@@ -200,3 +202,129 @@ def test_reply_buffers_are_reused_only_once_nobody_holds_them():
     # ids, not objects, in the asserts: pytest's assertion rewriting would keep references alive.
     reused = {id(pool.take(0, 8, dt)) for _ in range(3)}
     assert second_id != first_id and reused <= {first_id, second_id}
+
+
+# -- limits on what a peer can make us hold ----------------------------------------------------
+
+
+def _announce(conn, kind: Kind, length: int, *, key: int = 3, clock: int = 4) -> None:
+    """Write a bare header announcing ``length`` payload bytes, as a misbehaving peer would."""
+    conn._transport.write(encode_header(kind, rank=conn.rank, key=key, clock=clock, length=length))
+
+
+async def _ended_by(server, client, error_type, match: str):
+    """Wait for both ends to go; check the server's reason and that the client was told it."""
+    async with asyncio.timeout(10):
+        await server.wait_closed()
+        with pytest.raises(ConnectionLost, match=match) as info:
+            await client.recv(timeout=10)
+    assert isinstance(server.error, error_type), server.error
+    assert isinstance(info.value.__cause__, RemoteProtocolError)  # an ERROR frame came first
+    return str(server.error)
+
+
+async def test_limit_hook_refuses_a_frame_as_soon_as_its_header_arrives():
+    client, server = await connected_pair(net_config(), net_config())
+    got, sizes = [], {3: 64}
+    server.set_handler(got.append, limit=lambda h: sizes.get(h.key))
+    await client.send(Kind.PUSH, bytes(64), key=3, clock=1)  # at its limit
+    await client.send(Kind.PUSH, bytes(100), key=9, clock=1)  # no opinion: max_payload applies
+    await until(lambda: len(got) == 2, what="the frames within their limits arriving")
+    _announce(client, Kind.PUSH, 1 << 30)  # 1 GiB for a 64-byte message, and nothing after it
+    text = await _ended_by(server, client, FrameError, "accepts at most 64 bytes")
+    assert "rank 0" in text and "PUSH key 3 clock 4" in text and "1073741824-byte payload" in text
+    assert len(got) == 2 and server.unclaimed_bytes == 0  # refused before any payload buffer
+
+
+async def test_a_local_link_applies_the_limit_hook_too():
+    from poseidon_aio.net import LocalLink
+
+    worker, shard = LocalLink.pair(0, 0)
+    got = []
+    shard.set_handler(got.append, limit=lambda h: 8)
+    await worker.send(Kind.PUSH, bytes(8), key=1, clock=1)
+    await worker.send(Kind.PUSH, bytes(9), key=1, clock=2)
+    assert [f.clock for f in got] == [1] and isinstance(shard.error, FrameError)
+    assert "accepts at most 8 bytes" in str(shard.error)
+    with pytest.raises(ConnectionLost, match="accepts at most 8 bytes"):
+        await worker.send(Kind.PUSH, bytes(8), key=1, clock=3)
+
+
+def _no_slot(header):
+    raise RemoteProtocolError(f"no slot for key {header.key}")
+
+
+@pytest.mark.parametrize(
+    "hook,error_type,match",
+    [
+        (_no_slot, RemoteProtocolError, "no slot for key 3"),
+        (lambda h: {}[h.key], KeyError, "3"),
+        (lambda h: bytearray(3), LocalProtocolError, "allocate hook on rank 1 returned 3 bytes"),
+    ],
+    ids=["refusal", "bug", "wrong-size"],
+)
+async def test_an_allocate_hook_failure_ends_that_connection_with_an_error_frame(hook, error_type, match):
+    client, server = await connected_pair(net_config(), net_config())
+    server.set_handler(lambda f: None, allocate=hook)
+    await client.send(Kind.PUSH, bytes(16), key=3, clock=4)
+    await _ended_by(server, client, error_type, match)
+
+
+async def test_a_frame_that_cannot_fit_the_memory_budget_ends_the_connection_at_its_header():
+    budget = 1 << 20
+    client, server = await connected_pair(net_config(), net_config(memory_budget=budget, inbox_high_water=budget // 2))
+    # Bytes landing in a buffer the caller registered are the caller's: they do not count.
+    into = bytearray(2 * budget)
+    claimed = server.expect(Kind.DATA, 1, 1, into=into)
+    await client.send(Kind.DATA, b"\x01" * len(into), key=1, clock=1)
+    async with asyncio.timeout(10):
+        await claimed
+    assert into == b"\x01" * len(into)
+    _announce(client, Kind.DATA, budget + 1, key=5, clock=6)
+    text = await _ended_by(server, client, FrameError, "memory_budget")
+    assert "rank 0 at memory:" in text and "DATA key 5 clock 6" in text and f"at most {budget} bytes" in text
+    assert server.unclaimed_bytes == 0
+
+
+async def test_a_peer_pushing_past_the_memory_budget_is_cut_off():
+    config = net_config(memory_budget=100_000, inbox_high_water=90_000)
+    client, server = await connected_pair(net_config(), config, max_chunk=4096)
+    for clock in range(8):  # 80 000 bytes nobody takes: under the high-water mark, reading goes on
+        await client.send(Kind.DATA, bytes(10_000), clock=clock)
+    await client.send(Kind.DATA, bytes(50_000), key=2, clock=8)
+    text = await _ended_by(server, client, FrameError, "NetConfig.memory_budget")
+    assert "80000 bytes of frames nobody has taken yet" in text and "DATA key 2 clock 8" in text
+    assert "100000 bytes" in text and server.max_inbox_bytes == 80_000
+
+
+async def test_set_handler_drains_the_inbox_and_resumes_reading():
+    client, server = await connected_pair(net_config(), net_config(inbox_high_water=10_000), max_chunk=4096)
+    for clock in range(10):
+        await client.send(Kind.DATA, bytes(4000), clock=clock)
+    await until(lambda: server.max_inbox_bytes > 10_000, what="reading pausing on a full inbox")
+    got = []
+    server.set_handler(lambda f: got.append(f.clock))  # takes what waited, and reading resumes
+    await until(lambda: len(got) == 10, what="every frame reaching the handler")
+    assert got == list(range(10)) and server.unclaimed_bytes == 0
+    await client.close()
+
+
+async def test_frames_replayed_by_set_handler_fail_like_any_other(caplog):
+    """A handler refusing a frame that waited in the inbox ends the link; set_handler raises nothing."""
+    client, server = await connected_pair(net_config(), net_config())
+    await client.send(Kind.PUSH, b"early", key=1, clock=1)
+    await client.send(Kind.PUSH, b"later", key=1, clock=2)
+    await until(lambda: server.max_inbox_bytes == 10, what="both frames waiting in the inbox")
+    seen = []
+
+    def refuse(frame):
+        seen.append(frame.clock)
+        raise RemoteProtocolError(f"rank 1 does not take {frame.kind.name} key {frame.key} clock {frame.clock}")
+
+    with caplog.at_level("WARNING", logger="poseidon_aio"):
+        server.set_handler(refuse)
+        text = await _ended_by(server, client, RemoteProtocolError, "does not take PUSH key 1 clock 1")
+    assert seen == [1]  # the frame after the refused one is not handed over
+    server_lines = [r for r in caplog.records if r.getMessage().startswith("rank 1:")]
+    assert len(server_lines) == 1 and server_lines[0].levelname == "WARNING" and text in server_lines[0].getMessage()
+    assert all(r.exc_info is None for r in caplog.records), "a traceback was logged"

@@ -59,11 +59,26 @@ class NetConfig:
         heartbeat_interval: seconds of send silence after which a HEARTBEAT goes out.
         idle_timeout: seconds without a received byte after which the peer counts as dead.
         connect_timeout, handshake_timeout, close_timeout: bounds on those waits, in seconds.
-        max_payload: largest payload accepted after the handshake (before it: 4 KiB).
+        max_payload: largest payload accepted after the handshake (before it: 4 KiB), for any
+            frame. The layer above can lower it per frame with the ``limit`` hook of
+            :meth:`~poseidon_aio.net.Endpoint.set_handler`; a frame over its limit ends the
+            connection as soon as its header arrives.
         write_high_water, write_low_water: transport buffer limits; above the high mark senders
             wait, so a slow reader bounds the sender's memory at about high mark + one frame.
         inbox_high_water: received bytes nobody has taken yet above which reading pauses, so a
             slow consumer pushes back through TCP instead of growing memory.
+        memory_budget: most bytes one connection may hold for frames nobody has claimed: the
+            inbox plus the payload of the frame being received, where no destination was
+            registered for it (bytes landing in a buffer given to ``expect(into=...)`` or the
+            ``allocate`` hook are the caller's and do not count). Default 256 MiB: four times
+            ``inbox_high_water``, so a healthy link pauses reading long before it gets here. A
+            frame that cannot fit ends the connection when its header arrives, a peer that pushes
+            past it when it does; raise it, or register a destination, for larger unclaimed frames.
+            Must be at least ``inbox_high_water``.
+        max_pending_handshakes: connections a listener lets handshake at once (TLS included);
+            beyond it new connections are closed as soon as they are accepted, counted in
+            ``Listener.turned_away``. Each pending one is dropped after ``handshake_timeout``,
+            so silent or slow peers hold at most this many slots, and memory, at a time.
         shaper: per-connection bandwidth caps.
         tls: TLS settings, or ``None`` for plain TCP.
 
@@ -81,6 +96,8 @@ class NetConfig:
     write_high_water: int = 4 << 20
     write_low_water: int = 1 << 20
     inbox_high_water: int = 64 << 20
+    memory_budget: int = 256 << 20
+    max_pending_handshakes: int = 128
     shaper: ShaperConfig = field(default_factory=ShaperConfig)
     tls: Optional[TLSConfig] = None
 
@@ -101,3 +118,13 @@ class NetConfig:
             raise ConfigError("NetConfig needs 0 <= write_low_water <= write_high_water")
         if self.max_payload < 1 or self.inbox_high_water < 1:
             raise ConfigError("NetConfig.max_payload and inbox_high_water must be >= 1 byte")
+        if self.memory_budget < self.inbox_high_water:
+            raise ConfigError(
+                f"NetConfig.memory_budget ({self.memory_budget} bytes) must be at least "
+                f"inbox_high_water ({self.inbox_high_water} bytes): reading must pause before a "
+                "connection reaches its budget, or a slow consumer ends healthy connections"
+            )
+        if self.max_pending_handshakes < 1:
+            raise ConfigError(
+                f"NetConfig.max_pending_handshakes must be >= 1, got {self.max_pending_handshakes}"
+            )

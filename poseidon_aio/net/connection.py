@@ -16,6 +16,13 @@ Above the write high-water mark senders queue, lowest ``priority`` value first, 
 
 Every wait has a bound: connect, handshake and close timeouts, and an idle timeout fed by
 heartbeats. A lost connection fails every pending waiter with :class:`ConnectionLost`.
+
+Memory has a bound too: a frame nobody registered a buffer for is received into a buffer that
+grows with the bytes that arrive, and what a connection holds for unclaimed frames (inbox plus
+that buffer) stays under ``NetConfig.memory_budget``. The handshake deadline runs from accept,
+TLS included, and a listener lets at most ``NetConfig.max_pending_handshakes`` connections
+handshake at once: it accepts sockets itself and closes those beyond the bound before any TLS
+state exists for them.
 """
 
 from __future__ import annotations
@@ -54,6 +61,15 @@ _HANDSHAKE_KINDS = frozenset({Kind.HELLO, Kind.CHALLENGE, Kind.AUTH, Kind.WELCOM
 _JOIN_BELOW = 16 * 1024
 # asyncio's own transports before 3.12 implement writelines as write(b"".join(...)): a full copy.
 _WRITELINES_COPIES = sys.version_info < (3, 12)
+# Where bytes still arriving on a link that has ended are read to and dropped: never buffered.
+_SINK_SIZE = 64 * 1024
+# A flood of connections beyond max_pending_handshakes logs one line per this many seconds.
+_TURN_AWAY_LOG_EVERY = 10.0
+# Connections the kernel queues for a listener before our accept loop takes them.
+_BACKLOG = 128
+# After accept() fails for lack of file descriptors, wait this long before trying again (as
+# asyncio's own servers do): retrying at once would spin the loop.
+_ACCEPT_RETRY_DELAY = 1.0
 
 
 @dataclass
@@ -77,6 +93,10 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         config: :class:`NetConfig`.
         process_shaper: a :class:`Shaper` shared by all connections of the process, or ``None``.
         protocol: protocol version to announce (tests use another to check refusal).
+
+    The handshake deadline (``config.handshake_timeout``) runs from construction, that is from
+    accept on a listener, whether or not a transport ever comes up (with TLS the loop calls
+    ``connection_made`` only once TLS is up).
     """
 
     def __init__(
@@ -103,8 +123,13 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         self._read_pauses: set = set()
         self._last_recv = self._last_send = self._loop.time()
         self._timer: Optional[asyncio.TimerHandle] = None
-        self._handshake_timer: Optional[asyncio.TimerHandle] = None
         self._closing = False
+        self._sink: Optional[memoryview] = None
+        # From accept, not from connection_made: with TLS the loop calls connection_made only once
+        # TLS is up, and a peer that never finishes it must not hold this connection forever.
+        self._handshake_timer: Optional[asyncio.TimerHandle] = self._loop.call_later(
+            config.handshake_timeout, self._handshake_expired
+        )
         own = Shaper.from_config(config.shaper)
         self._egress = [b for b in (own.egress, process_shaper and process_shaper.egress) if b]
         self._ingress = [b for b in (own.ingress, process_shaper and process_shaper.ingress) if b]
@@ -128,6 +153,15 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
     @property
     def is_open(self) -> bool:
         return self._exc is None and self._transport is not None
+
+    @property
+    def unclaimed_bytes(self) -> int:
+        """Bytes held for frames nobody has claimed: what ``config.memory_budget`` bounds.
+
+        The inbox plus the buffer the decoder allocated for the payload being received (0 while
+        that payload lands in a registered destination).
+        """
+        return self._inbox_bytes + self._decoder.own_payload_bytes
 
     async def wait_ready(self) -> "Connection":
         """Wait for the handshake (bounded by ``config.handshake_timeout``)."""
@@ -194,6 +228,11 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
     # -- asyncio protocol callbacks ---------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self._exc is not None:
+            # The handshake deadline passed, or the listener closed, while the loop was still
+            # bringing the transport up (negotiating TLS).
+            transport.abort()
+            return
         self._transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         if peer:
@@ -205,13 +244,25 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         self._handshake.peer = self.peer_address
         for kind, payload in self._handshake.start():
             self._write_control(kind, payload, DType.JSON)
-        self._handshake_timer = self._loop.call_later(self.config.handshake_timeout, self._handshake_expired)
         self._arm_tick()
 
+    def _transport_failed(self, exc: BaseException, tls: bool) -> None:
+        """The loop could not bring the transport up: TLS failed or timed out, or the peer left."""
+        what = "TLS handshake" if tls else "connection set-up"
+        self._fail(HandshakeError(f"{what} with {self.peer_address} failed: {exc!r}"), "none", exc)
+        if not self._closed.done():
+            self._closed.set_result(None)  # connection_lost will not come: there was no connection
+
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._exc is not None:
+            if self._sink is None:
+                self._sink = memoryview(bytearray(_SINK_SIZE))
+            return self._sink
         return self._decoder.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._exc is not None:
+            return  # read into the sink: the link has ended
         self._decoder.buffer_updated(nbytes)
         self.stats.bytes_received += nbytes
         self._last_recv = self._loop.time()
@@ -224,10 +275,17 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
             while self._exc is None and (frame := self._decoder.next_frame()) is not None:
                 self.stats.frames_received += 1
                 self._on_frame(frame)
-        except FrameError as exc:
-            self._fail(FrameError(f"{exc}; from {self.where}, closing that connection"), "error", exc)
-        except PoseidonError as exc:
-            self._fail(exc, "abort")
+        except Exception as exc:
+            if self._exc is not None:
+                return  # _allocate_frame ended the link already, saying why
+            if isinstance(exc, FrameError):
+                self._fail(FrameError(f"{exc}; from {self.where}, closing that connection"), "error", exc)
+            elif isinstance(exc, PoseidonError):
+                self._fail(exc, "abort")
+            else:
+                raise
+            return
+        self._check_budget()
 
     def eof_received(self) -> bool:
         return False  # close our side too; connection_lost reports it
@@ -258,7 +316,42 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
     # -- receive side -----------------------------------------------------------------------
 
     def _allocate_frame(self, header: Header):
-        return self._allocate(header) if self._handshake.ready else None
+        if not self._handshake.ready:
+            return None
+        try:
+            dest = self._allocate(header)
+            budget = self.config.memory_budget
+            if dest is None and header.length > budget:
+                raise FrameError(
+                    f"{self.where} announced {header.kind.name} key {header.key} clock {header.clock} "
+                    f"with a {header.length}-byte payload that no buffer was registered for; rank "
+                    f"{self.rank} holds at most {budget} bytes of unclaimed frames per connection "
+                    "(NetConfig.memory_budget): register a destination for it (expect(into=...) or "
+                    "the allocate hook of set_handler), or raise NetConfig.memory_budget"
+                )
+        except Exception as exc:  # noqa: BLE001 - the layer above refused the header: end this link only
+            self._fail(exc, "error")
+            raise
+        return dest
+
+    def _check_budget(self) -> None:
+        # Only a payload the decoder buffers itself grows with what the peer sends; the inbox
+        # alone stops growing at inbox_high_water (reading pauses), which is within the budget.
+        own = self._decoder.own_payload_bytes
+        if not own or self._exc is not None or self._inbox_bytes + own <= self.config.memory_budget:
+            return
+        header, got = self._decoder.partial
+        self._fail(
+            FrameError(
+                f"{self.where} sent more unclaimed data than rank {self.rank} holds per connection "
+                f"(NetConfig.memory_budget, {self.config.memory_budget} bytes): {self._inbox_bytes} "
+                f"bytes of frames nobody has taken yet, plus {own} buffered for {header.kind.name} key "
+                f"{header.key} clock {header.clock} ({got} of {header.length} bytes received); take "
+                "frames sooner (recv/expect), register destinations for large ones, or raise "
+                "NetConfig.memory_budget"
+            ),
+            "error",
+        )
 
     def _on_frame(self, frame: Frame) -> None:
         if not self._handshake.ready:
@@ -294,16 +387,21 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         elif self._handshake.ready:
             self.peer_rank = self._handshake.peer_rank
             self._decoder.max_payload = self.config.max_payload
-            if self._handshake_timer is not None:
-                self._handshake_timer.cancel()
+            self._handshake_timer.cancel()
             self._ready.set_result(self)
 
     def _handshake_expired(self) -> None:
         if not self._handshake.ready:
+            if self._transport is not None:
+                stage = f"handshake state {self._handshake.state.value}"
+            elif self.config.tls is not None:
+                stage = "TLS still negotiating"
+            else:
+                stage = "no transport yet"
             self._fail(
                 PeerTimeout(
                     f"handshake with {self.peer_address} did not complete within "
-                    f"{self.config.handshake_timeout} s (handshake state {self._handshake.state.value})"
+                    f"{self.config.handshake_timeout} s ({stage}); rank {self.rank} dropped it"
                 ),
                 "abort",
             )
@@ -418,7 +516,11 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         self._exc = exc
         if cause is not None:
             exc.__cause__ = cause
-        level = logging.DEBUG if isinstance(exc, ConnectionLost) and self._closing else logging.WARNING
+        quiet = isinstance(exc, ConnectionLost) and self._closing
+        # A listener logs the refusal of an accepted connection that never got through its
+        # handshake; a second line here would double what a flood of such peers writes.
+        quiet = quiet or (self.role is Role.SERVER and not self._handshake.ready)
+        level = logging.DEBUG if quiet else logging.WARNING
         log.log(level, "rank %s: connection to %s ended: %s", self.rank, self.where, exc)
         for timer in (self._timer, self._handshake_timer):
             if timer is not None:
@@ -474,26 +576,46 @@ async def connect(
     """
     loop = asyncio.get_running_loop()
     tls = config.tls
+    made: list = []
+
+    def factory() -> Connection:
+        conn = Connection(Role.CLIENT, rank, config, process_shaper=process_shaper, protocol=protocol)
+        made.append(conn)
+        return conn
+
     try:
         async with asyncio.timeout(config.connect_timeout):
             _, conn = await loop.create_connection(
-                lambda: Connection(Role.CLIENT, rank, config, process_shaper=process_shaper, protocol=protocol),
+                factory,
                 host,
                 port,
                 ssl=tls.client_context() if tls else None,
                 server_hostname=host if tls else None,
+                ssl_handshake_timeout=config.handshake_timeout if tls else None,
             )
     except TimeoutError:
+        _discard(made)
         raise PeerTimeout(
             f"rank {rank} could not connect to {host}:{port} within {config.connect_timeout} s"
         ) from None
     except OSError as exc:
+        _discard(made)
         raise ConnectionLost(f"rank {rank} could not connect to {host}:{port}: {exc}") from exc
+    except BaseException:
+        _discard(made)
+        raise
     try:
         return await conn.wait_ready()
     except asyncio.CancelledError:
         conn.abort()
         raise
+
+
+def _discard(conns: list) -> None:
+    # A connection whose TCP or TLS set-up failed: stop its handshake timer without a warning.
+    for conn in conns:
+        conn._closing = True
+        conn.abort()
 
 
 class Listener:
@@ -505,35 +627,158 @@ class Listener:
         refused: the errors of handshakes that failed (most recent 100).
         on_refused: ``None``, or ``f(conn, error)`` called for each of those as it fails (the
             worker mesh uses it to stop waiting for a rank whose connection was refused).
+        refused_total: handshakes that failed since the listener started.
+        turned_away: connections closed at accept because ``max_pending_handshakes`` were
+            already handshaking.
     """
 
-    def __init__(self, rank: int, on_connection: Callable[[Connection], Optional[Awaitable[None]]]) -> None:
+    def __init__(
+        self,
+        rank: int,
+        on_connection: Callable[[Connection], Optional[Awaitable[None]]],
+        max_pending_handshakes: int = 128,
+    ) -> None:
         self.rank = rank
         self.address: tuple = ("", 0)
         self.connections: set = set()
         self.refused: deque = deque(maxlen=100)
         self.on_refused: Optional[Callable[[Connection, PoseidonError], None]] = None
+        self.refused_total = 0
+        self.turned_away = 0
+        self.max_pending_handshakes = max_pending_handshakes
         self._on_connection = on_connection
-        self._server: Optional[asyncio.AbstractServer] = None
+        self._sock: Optional[socket.socket] = None
+        self._accepting: Optional[asyncio.Task] = None
         self._tasks: set = set()
         self._handshaking: set = set()
+        self._refusal_waiters: list = []
+        self._turned_away_logged = (float("-inf"), 0)  # (loop time, turned_away) of the last log line
 
     @property
     def pending_handshakes(self) -> int:
         """Connections accepted whose handshake has not ended yet."""
         return len(self._handshaking)
 
-    def _adopt(self, conn: Connection) -> None:
-        task = asyncio.ensure_future(self._admit(conn))
+    async def wait_refused(self, count: int = 1, timeout: float = 10.0) -> None:
+        """Wait until ``refused_total`` reaches ``count``: for tests and monitors of the listener.
+
+        Args:
+            count: refusals since the listener started (not since this call).
+            timeout: seconds to wait at most.
+        Raises:
+            PeerTimeout: fewer refusals than ``count`` within ``timeout``.
+
+        >>> # await listener.wait_refused(1, timeout=10); listener.refused[0]
+        """
+        if self.refused_total >= count:
+            return
+        entry = (count, asyncio.get_running_loop().create_future())
+        self._refusal_waiters.append(entry)
+        try:
+            async with asyncio.timeout(timeout):
+                await entry[1]
+        except TimeoutError:
+            raise PeerTimeout(
+                f"rank {self.rank}'s listener refused {self.refused_total} handshakes within {timeout} s, "
+                f"not {count}"
+            ) from None
+        finally:
+            self._refusal_waiters.remove(entry)
+
+    def _serve(
+        self, sock: socket.socket, make_connection: Callable[[], Connection], tls, handshake_timeout: float
+    ) -> None:
+        self._sock = sock
+        self.address = sock.getsockname()[:2]
+        accepting = self._accept(make_connection, tls, handshake_timeout)
+        self._accepting = asyncio.get_running_loop().create_task(accepting)
+        self._accepting.add_done_callback(self._accept_ended)
+
+    async def _accept(self, make_connection: Callable[[], Connection], tls, handshake_timeout: float) -> None:
+        # The loop's own servers (create_server with ssl=) create the protocol only once TLS is
+        # up: too late to start the handshake deadline, and to refuse a connection before its TLS
+        # state (asyncio's is a 256 KiB buffer per socket) exists. So the listener accepts itself.
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, addr = await loop.sock_accept(self._sock)
+            except (ConnectionAbortedError, InterruptedError):
+                continue  # the peer left before we took it
+            except OSError as exc:  # EMFILE, ENFILE, ENOBUFS: out of descriptors or memory
+                log.error(
+                    "rank %s: accepting a connection failed: %s; trying again in %s s",
+                    self.rank,
+                    exc,
+                    _ACCEPT_RETRY_DELAY,
+                )
+                await asyncio.sleep(_ACCEPT_RETRY_DELAY)
+                continue
+            if len(self._handshaking) >= self.max_pending_handshakes:
+                sock.close()
+                self._turn_away()
+            else:
+                self._take(sock, addr, make_connection, tls, handshake_timeout)
+
+    def _take(self, sock: socket.socket, addr: tuple, make_connection, tls, handshake_timeout: float) -> None:
+        # Not inlined in _accept: its suspended frame would keep the last connection alive.
+        conn = make_connection()  # the handshake deadline runs from here
+        conn.peer_address = f"{addr[0]}:{addr[1]}"
+        self._handshaking.add(conn)
+        task = asyncio.get_running_loop().create_task(self._admit(conn, sock, tls, handshake_timeout))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _admit(self, conn: Connection) -> None:
-        self._handshaking.add(conn)
+    def _accept_ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error(
+                "rank %s: the listener on %s stopped accepting connections",
+                self.rank,
+                self.address,
+                exc_info=task.exception(),
+            )
+
+    def _turn_away(self) -> None:
+        self.turned_away += 1
+        now = asyncio.get_running_loop().time()
+        last_time, last_count = self._turned_away_logged
+        if now - last_time >= _TURN_AWAY_LOG_EVERY:
+            log.warning(
+                "rank %s: %d handshakes already in progress (NetConfig.max_pending_handshakes); "
+                "closed %d new connections at once since the last report",
+                self.rank,
+                len(self._handshaking),
+                self.turned_away - last_count,
+            )
+            self._turned_away_logged = (now, self.turned_away)
+
+    def _record_refusal(self, exc: BaseException) -> None:
+        # Tracebacks hold the frames that raised, and those hold the refused Connection (with its
+        # 64 KiB scratch buffer): kept in `refused`, 100 of them would outlive their sockets.
+        chain: Optional[BaseException] = exc
+        cleared: set = set()
+        while chain is not None and id(chain) not in cleared:
+            cleared.add(id(chain))
+            chain.__traceback__ = None
+            chain = chain.__cause__ or chain.__context__
+        self.refused.append(exc)
+        self.refused_total += 1
+        for count, fut in self._refusal_waiters:
+            if self.refused_total >= count and not fut.done():
+                fut.set_result(None)
+
+    async def _admit(self, conn: Connection, sock: socket.socket, tls, handshake_timeout: float) -> None:
+        loop = asyncio.get_running_loop()
         try:
+            try:
+                await loop.connect_accepted_socket(
+                    lambda: conn, sock, ssl=tls, ssl_handshake_timeout=handshake_timeout if tls else None
+                )
+            except Exception as exc:  # noqa: BLE001 - ssl.SSLError, OSError: this connection only
+                sock.close()
+                conn._transport_failed(exc, tls is not None)
             await conn.wait_ready()
         except PoseidonError as exc:
-            self.refused.append(exc)
+            self._record_refusal(exc)
             log.warning("rank %s refused a connection from %s: %s", self.rank, conn.peer_address, exc)
             if self.on_refused is not None:
                 self.on_refused(conn, exc)
@@ -556,16 +801,19 @@ class Listener:
 
     async def close(self) -> None:
         """Stop listening, close every connection and wait for the handler tasks to finish."""
-        if self._server is not None:
-            self._server.close()
+        if self._accepting is not None:
+            self._accepting.cancel()
+            await asyncio.gather(self._accepting, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close()
         for conn in list(self.connections):
             await conn.close()
+        pending = list(self._handshaking)
         for task in list(self._tasks):
             task.cancel()
+        _discard(pending)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._server is not None:
-            await self._server.wait_closed()
 
     async def __aenter__(self) -> "Listener":
         return self
@@ -586,21 +834,34 @@ async def listen(
 ) -> Listener:
     """Listen on ``host:port``; call ``on_connection(conn)`` for each authenticated connection.
 
-    A handshake that fails is logged and recorded in ``Listener.refused``; the listener keeps
-    serving. If ``on_connection`` returns an awaitable it runs as a task owned by the listener.
+    Binds the first address ``host`` resolves to (``""``: every interface of the first family).
+
+    A handshake that fails (or does not finish within ``config.handshake_timeout`` of accept) is
+    logged and recorded in ``Listener.refused``; the listener keeps serving. Beyond
+    ``config.max_pending_handshakes`` connections handshaking at once, new ones are closed at
+    accept and counted in ``Listener.turned_away``. If ``on_connection`` returns an awaitable it
+    runs as a task owned by the listener.
 
     >>> # listener = await listen("127.0.0.1", 0, rank=1, config=cfg, on_connection=serve_peer)
     """
     loop = asyncio.get_running_loop()
-    listener = Listener(rank, on_connection)
-    tls = config.tls
+    tls = config.tls.server_context() if config.tls else None
+    family, kind, proto, _, address = (
+        await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(_BACKLOG)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"rank {rank} cannot listen on {host}:{port}: {exc.strerror}") from exc
 
-    def factory() -> Connection:
-        conn = Connection(Role.SERVER, rank, config, process_shaper=process_shaper, protocol=protocol)
-        listener._adopt(conn)
-        return conn
+    def connection() -> Connection:
+        return Connection(Role.SERVER, rank, config, process_shaper=process_shaper, protocol=protocol)
 
-    server = await loop.create_server(factory, host, port, ssl=tls.server_context() if tls else None)
-    listener._server = server
-    listener.address = server.sockets[0].getsockname()[:2]
+    listener = Listener(rank, on_connection, config.max_pending_handshakes)
+    listener._serve(sock, connection, tls, config.handshake_timeout)
     return listener

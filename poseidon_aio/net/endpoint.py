@@ -5,6 +5,9 @@ A frame that reaches an endpoint goes, in this order, to the future registered w
 :meth:`Endpoint.set_handler` (if it takes that kind), or to an inbox read by :meth:`Endpoint.recv`
 and searched by later :meth:`Endpoint.expect` calls (a reply that beat its request).
 
+The handler's ``limit`` and ``allocate`` hooks judge a frame by its header, before its payload
+arrives: a frame over its limit, or one the hooks refuse by raising, ends the link at once.
+
 :class:`~poseidon_aio.net.connection.Connection` (TCP) and :class:`~poseidon_aio.net.local.LocalLink`
 (in-process) differ only in how frames arrive and leave.
 """
@@ -15,7 +18,7 @@ import asyncio
 from collections import deque
 from typing import Callable, Iterable, Optional
 
-from ..errors import ConnectionLost, LocalProtocolError, PeerTimeout, RemoteProtocolError
+from ..errors import ConnectionLost, FrameError, LocalProtocolError, PeerTimeout, RemoteProtocolError
 from ..wire import Frame, Header, Kind, byte_view
 
 
@@ -65,6 +68,7 @@ class Endpoint:
         self._handler: Optional[Callable[[Frame], None]] = None
         self._handler_kinds: Optional[frozenset] = None
         self._allocate_unclaimed: Optional[Callable[[Header], object]] = None
+        self._limit_unclaimed: Optional[Callable[[Header], Optional[int]]] = None
         self._landing: Optional[tuple] = None  # (kind, key, clock) whose payload lands in its `into`
         self._inbox: deque = deque()
         self._inbox_bytes = 0
@@ -134,28 +138,48 @@ class Endpoint:
         handler: Optional[Callable[[Frame], None]],
         allocate: Optional[Callable[[Header], object]] = None,
         kinds: Optional[Iterable[Kind]] = None,
+        limit: Optional[Callable[[Header], Optional[int]]] = None,
     ) -> None:
         """Deliver unclaimed frames to ``handler(frame)`` on the loop instead of the inbox.
 
         Args:
             handler: called with each frame no :meth:`expect` claimed. It must not block; an
-                exception from it ends the link with that error. Matching frames already in the
-                inbox are handed over first.
+                exception from it ends the link with that error (a :class:`RemoteProtocolError`
+                is also sent to the peer). Matching frames already in the inbox are handed over
+                first, with the same error handling.
             allocate: called with the header of each unclaimed frame as soon as it is decoded;
                 returns the buffer its payload is received into (zero copy), or ``None``. A
                 parameter-server shard uses it to land pushes in per-key receive slots.
             kinds: only frames of these kinds go to the handler; the others stay in the inbox,
                 where a later :meth:`expect` claims them.
+            limit: called with the header of each unclaimed frame the handler takes, before
+                ``allocate``; returns the largest payload it accepts for that header in bytes
+                (``None``: no opinion, ``NetConfig.max_payload`` applies). A longer frame ends the
+                link as soon as its header arrives, with a :class:`FrameError` the peer is told.
+
+        An exception from ``allocate`` or ``limit`` (raise :class:`RemoteProtocolError` to refuse
+        a frame with your own words) ends the link the same way, before any payload byte is
+        buffered.
+
+        >>> # conn.set_handler(on_push, allocate=slot_for, limit=lambda h: sizes.get(h.key, 0))
         """
         self._handler = handler
         self._handler_kinds = frozenset(kinds) if kinds is not None else None
         self._allocate_unclaimed = allocate
+        self._limit_unclaimed = limit
         if handler is None:
             return
-        for frame in [f for f in self._inbox if self._handles(f)]:
-            self._inbox.remove(frame)
-            self._inbox_bytes -= frame.header.length
-            handler(frame)
+        taken = [f for f in self._inbox if self._handles(f)]
+        if not taken:
+            return
+        self._inbox = deque(f for f in self._inbox if not self._handles(f))
+        self._inbox_bytes -= sum(f.header.length for f in taken)
+        if self._inbox_bytes <= self._inbox_high_water // 2:
+            self._on_inbox_drained()
+        for frame in taken:
+            if self._exc is not None:
+                break  # the handler ended the link; the frames after it go with it
+            self._to_handler(frame)
 
     async def recv(self, timeout: Optional[float] = None) -> Frame:
         """Next unclaimed frame.
@@ -183,7 +207,13 @@ class Endpoint:
     # -- receive side -----------------------------------------------------------------------
 
     def _allocate(self, header: Header):
-        """Where the payload of a frame whose header just arrived should land (or ``None``)."""
+        """Where the payload of a frame whose header just arrived should land (or ``None``).
+
+        Raises:
+            FrameError: the frame is over the limit the handler's ``limit`` hook sets.
+            LocalProtocolError: the ``allocate`` hook returned a buffer of the wrong size.
+            Exception: whatever the hooks raised.
+        """
         ident = (header.kind, header.key, header.clock)
         entry = self._expected.get(ident)
         self._landing = None
@@ -193,9 +223,31 @@ class Endpoint:
                 return None  # a wrong-sized `into` fails that future alone, in _dispatch
             self._landing = ident
             return into
-        if self._allocate_unclaimed is not None and self._handles_kind(header.kind):
-            return self._allocate_unclaimed(header)
-        return None
+        if not self._handles_kind(header.kind):
+            return None
+        if self._limit_unclaimed is not None:
+            limit = self._limit_unclaimed(header)
+            if limit is not None and header.length > limit:
+                raise FrameError(
+                    f"{self.where} sent {header.kind.name} key {header.key} clock {header.clock} with a "
+                    f"{header.length}-byte payload; rank {self.rank} accepts at most {limit} bytes for "
+                    "that frame (its handler's limit): the two ranks disagree about this message, "
+                    "check that they run the same model and build"
+                )
+        if self._allocate_unclaimed is None:
+            return None
+        dest = self._allocate_unclaimed(header)
+        if dest is None:
+            return None
+        view = byte_view(dest)
+        if view.readonly or view.nbytes != header.length:
+            raise LocalProtocolError(
+                f"the allocate hook on rank {self.rank} returned {view.nbytes} bytes"
+                f"{' (read-only)' if view.readonly else ''} for {header.kind.name} key {header.key} "
+                f"clock {header.clock} from {self.where}, whose payload is {header.length} bytes: "
+                "it must return a writable buffer of exactly that size, or None"
+            )
+        return view
 
     def _dispatch(self, frame: Frame) -> None:
         ident = (frame.kind, frame.key, frame.clock)
@@ -215,12 +267,7 @@ class Endpoint:
             fut.set_result(frame)
             return
         if self._handles(frame):
-            try:
-                self._handler(frame)
-            except RemoteProtocolError as exc:  # the peer broke the protocol: tell it why
-                self._fail(exc, "error")
-            except Exception as exc:  # noqa: BLE001 - a handler bug ends this link, visibly
-                self._fail(exc, "abort")
+            self._to_handler(frame)
             return
         self._inbox.append(frame)
         self._inbox_bytes += frame.header.length
@@ -230,6 +277,14 @@ class Endpoint:
         waiter = self._recv_waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def _to_handler(self, frame: Frame) -> None:
+        try:
+            self._handler(frame)
+        except RemoteProtocolError as exc:  # the peer broke the protocol: tell it why
+            self._fail(exc, "error")
+        except Exception as exc:  # noqa: BLE001 - a handler bug ends this link, visibly
+            self._fail(exc, "abort")
 
     def _handles(self, frame: Frame) -> bool:
         return self._handles_kind(frame.kind)
@@ -244,6 +299,8 @@ class Endpoint:
                     return self._pop_inbox()
                 del self._inbox[i]
                 self._inbox_bytes -= frame.header.length
+                if self._inbox_bytes <= self._inbox_high_water // 2:
+                    self._on_inbox_drained()
                 return frame
         return None
 

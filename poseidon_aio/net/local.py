@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Optional
 
-from ..errors import ConnectionLost, LocalProtocolError
+from ..errors import ConnectionLost
 from ..wire import DType, Frame, Header, Kind, byte_view, encode_header
 from .endpoint import Endpoint, payload_views
 
@@ -70,10 +70,12 @@ class LocalLink(Endpoint):
         encode_header(kind, rank=self.rank, key=key, clock=clock, length=length, dtype=dtype, flags=flags)  # range checks
         header = Header(Kind(kind), self.rank, key, clock, length, DType(dtype), flags)
         peer = self.peer
-        dest = peer._allocate(header) if length else None
+        try:
+            dest = peer._allocate(header) if length else None
+        except Exception as exc:  # noqa: BLE001 - the receiver refused the header, as a Connection would
+            peer._fail(exc, "error")
+            return
         target = byte_view(dest) if dest is not None else memoryview(bytearray(length))
-        if target.nbytes != length or target.readonly:
-            raise LocalProtocolError(f"destination for {header.kind.name} key {key} clock {clock} has the wrong size")
         offset = 0
         for v in views:
             target[offset : offset + v.nbytes] = v

@@ -154,7 +154,11 @@ class KVShard:
         self._ever.add(rank)
         if len(self._ever) == self.workers:
             self._all_joined.set()
-        conn.set_handler(lambda f: self._on_frame(conn, f), allocate=lambda h: self._allocate(conn, h))
+        conn.set_handler(
+            lambda f: self._on_frame(conn, f),
+            allocate=lambda h: self._allocate(conn, h),
+            limit=lambda h: self._limit(conn, h),
+        )
         conn.on_close(self._on_lost)
         self._outboxes[rank].attach(conn)
 
@@ -208,6 +212,13 @@ class KVShard:
 
     # -- receive ----------------------------------------------------------------------------
 
+    def _limit(self, conn: Endpoint, header: Header) -> Optional[int]:
+        # A push, pull or parameter frame carries exactly its message: refuse any other size when
+        # the header arrives, before a peer with a different model makes us receive the payload.
+        if header.kind in (Kind.PUSH, Kind.PARAMS, Kind.PULL):
+            return self._message(conn.peer_rank, header).nbytes
+        return None  # factors: K rows, judged once received; other kinds: _on_frame refuses them
+
     def _allocate(self, conn: Endpoint, header: Header):
         if header.kind is not Kind.PUSH:
             return None
@@ -251,23 +262,23 @@ class KVShard:
         else:
             raise RemoteProtocolError(f"shard {self.index} got an unexpected {kind.name} frame from rank {conn.peer_rank}")
 
-    def _message(self, rank: int, frame: Frame) -> Message:
-        m = self._messages.get(frame.key)
+    def _message(self, rank: int, header: Header) -> Message:
+        m = self._messages.get(header.key)
         if m is None:
             raise RemoteProtocolError(
-                f"rank {rank} sent {frame.kind.name} for message {frame.key} at clock {frame.clock} to "
+                f"rank {rank} sent {header.kind.name} for message {header.key} at clock {header.clock} to "
                 f"shard {self.index}, which does not hold it: the ranks' information books differ"
             )
-        if frame.header.length and (frame.header.length != m.nbytes or frame.header.dtype != WIRE_DTYPE[m.dtype]):
+        if header.length and (header.length != m.nbytes or header.dtype != WIRE_DTYPE[m.dtype]):
             raise RemoteProtocolError(
-                f"rank {rank} sent {frame.header.length} bytes of {frame.header.dtype.name} for message "
-                f"{m.id} ({self._describe(m)}) at clock {frame.clock}; shard {self.index} expects "
+                f"rank {rank} sent {header.length} bytes of {header.dtype.name} for message "
+                f"{m.id} ({self._describe(m)}) at clock {header.clock}; shard {self.index} expects "
                 f"{m.nbytes} bytes of {m.dtype}: the ranks' parameter shapes differ"
             )
         return m
 
     def _on_push(self, rank: int, frame: Frame, local: bool = False) -> None:
-        m = self._message(rank, frame)
+        m = self._message(rank, frame.header)
         if m.id in self._rebuilt:
             raise RemoteProtocolError(
                 f"rank {rank} pushed a gradient for message {m.id} ({self._describe(m)}) at clock {frame.clock}, which "
@@ -434,7 +445,7 @@ class KVShard:
     # -- parameters: start-up broadcast and pulls -------------------------------------------
 
     def _on_initial_params(self, rank: int, frame: Frame) -> None:
-        m = self._message(rank, frame)
+        m = self._message(rank, frame.header)
         values = np.frombuffer(frame.payload, dtype=self._dtype[m.id]).copy()
         self._init[m.id] = (frame.clock, values)  # one per message: a peer cannot grow it
         if self._sgd is not None:
@@ -443,7 +454,7 @@ class KVShard:
         self._answer_pullers(m.id, frame.clock)
 
     def _on_pull(self, rank: int, frame: Frame) -> None:
-        m = self._message(rank, frame)
+        m = self._message(rank, frame.header)
         # A pull is for the start-up values or the next version: bound what a peer can ask for.
         horizon = self._finalized[m.id] + self.config.staleness + 2
         if frame.clock > horizon:

@@ -15,6 +15,7 @@ from .codec import byte_view
 from .layout import (
     DEFAULT_MAX_PAYLOAD,
     HEADER_SIZE,
+    INITIAL_PAYLOAD_BUFFER,
     ITEMSIZE,
     MAGIC,
     VERSION,
@@ -47,6 +48,7 @@ __all__ = [
     "CODECS",
     "DEFAULT_MAX_PAYLOAD",
     "HEADER_SIZE",
+    "INITIAL_PAYLOAD_BUFFER",
     "ITEMSIZE",
     "MAGIC",
     "VERSION",

@@ -12,6 +12,10 @@ Two ways to feed the :class:`FrameDecoder`:
   the kernel writes payload bytes exactly once: into the receive tensor.
 
 ``next_frame()`` then returns complete :class:`Frame` objects, or ``None`` when it needs more bytes.
+
+A payload nobody registered a destination for lands in a buffer the decoder allocates, and that
+buffer grows with the bytes that actually arrive (doubling, up to the announced length): a peer
+that announces 1 GiB and sends 1 MiB costs the receiver about 2 MiB, not 1 GiB.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from .layout import (
     DEFAULT_MAX_PAYLOAD,
     HEADER_SIZE,
     HEADER_STRUCT,
+    INITIAL_PAYLOAD_BUFFER,
     ITEMSIZE_BY_CODE,
     KNOWN_KINDS,
     MAGIC,
@@ -194,8 +199,12 @@ class FrameDecoder:
             C-contiguous buffer of exactly ``header.length`` bytes to receive the payload (zero
             copy), or ``None`` to let the decoder allocate one.
         scratch_size: initial size of the buffer that holds headers and small frames.
+        initial_payload_buffer: first size of a payload buffer the decoder allocates itself; it
+            doubles as bytes arrive, up to the frame's length.
 
-    After a :class:`FrameError` the decoder is dead: every later call raises the same error.
+    After a :class:`FrameError` the decoder is dead: every later call raises the same error. So
+    it is after an exception from ``allocate``, or a destination of the wrong size: the header
+    was consumed and its payload has nowhere to go.
 
     >>> dec = FrameDecoder()
     >>> dec.feed(encode_frame(Kind.DATA, b"hi", rank=3))
@@ -211,20 +220,26 @@ class FrameDecoder:
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         allocate: Optional[Allocator] = None,
         scratch_size: int = 1 << 16,
+        initial_payload_buffer: int = INITIAL_PAYLOAD_BUFFER,
     ) -> None:
         if scratch_size < HEADER_SIZE:
             raise LocalProtocolError(f"scratch_size must be at least {HEADER_SIZE}")
+        if initial_payload_buffer < 1:
+            raise LocalProtocolError("initial_payload_buffer must be at least 1 byte")
         self.max_payload = max_payload
         self.allocate = allocate
+        self._initial_payload = initial_payload_buffer
         self._buf = bytearray(scratch_size)
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
         self._header: Optional[Header] = None
-        self._dest: Optional[memoryview] = None
+        self._dest: Optional[memoryview] = None  # the payload's buffer; while owned, maybe short
+        self._length = 0  # the payload's announced length
+        self._owned = False  # the decoder allocated _dest (it grows) rather than `allocate`
         self._filled = 0
         self._lent_dest = False
-        self._error: Optional[FrameError] = None
+        self._error: Optional[BaseException] = None
 
     # -- state ------------------------------------------------------------------------------
 
@@ -232,6 +247,14 @@ class FrameDecoder:
     def buffered(self) -> int:
         """Bytes received but not yet part of a returned frame (scratch and partial payload)."""
         return self._end - self._start + self._filled
+
+    @property
+    def own_payload_bytes(self) -> int:
+        """Size of the buffer the decoder allocated itself for the payload in progress.
+
+        0 between frames and while the payload lands in a destination from ``allocate``.
+        """
+        return len(self._dest) if self._owned and self._dest is not None else 0
 
     @property
     def partial(self) -> Optional[tuple]:
@@ -249,9 +272,11 @@ class FrameDecoder:
         view = byte_view(data)
         offset = 0
         if self._dest is not None and self._start == self._end:
-            n = min(len(view), len(self._dest) - self._filled)
-            self._dest[self._filled : self._filled + n] = view[:n]
-            self._filled += n
+            n = min(len(view), self._length - self._filled)
+            if n:
+                self._room(n)
+                self._dest[self._filled : self._filled + n] = view[:n]
+                self._filled += n
             offset = n
         rest = len(view) - offset
         if rest:
@@ -263,7 +288,8 @@ class FrameDecoder:
         """A writable buffer for the next received bytes (``BufferedProtocol.get_buffer``)."""
         if self._error is not None:
             raise self._error
-        if self._dest is not None and self._start == self._end and self._filled < len(self._dest):
+        if self._dest is not None and self._start == self._end and self._filled < self._length:
+            self._room(1)
             self._lent_dest = True
             return self._dest[self._filled :]
         self._lent_dest = False
@@ -294,6 +320,17 @@ class FrameDecoder:
             self._view = memoryview(grown)
         self._start, self._end = 0, used
 
+    def _room(self, n: int) -> None:
+        """Make the payload buffer hold ``n`` more bytes (``n <= length - filled``)."""
+        need = self._filled + n
+        size = len(self._dest)
+        if need <= size:
+            return
+        size = min(self._length, max(need, 2 * size))
+        grown = memoryview(bytearray(size))
+        grown[: self._filled] = self._dest[: self._filled]  # view to view: one memcpy, no temporary
+        self._dest = grown
+
     # -- output -----------------------------------------------------------------------------
 
     def next_frame(self) -> Optional[Frame]:
@@ -301,6 +338,8 @@ class FrameDecoder:
 
         Raises:
             FrameError: the stream is malformed (the decoder stays failed).
+            LocalProtocolError: ``allocate`` returned a buffer of the wrong size (ditto).
+            Exception: whatever ``allocate`` raised (ditto).
         """
         if self._error is not None:
             raise self._error
@@ -311,42 +350,49 @@ class FrameDecoder:
                 header = decode_header(
                     self._view[self._start : self._start + HEADER_SIZE], self.max_payload
                 )
-            except FrameError as exc:
+                self._start += HEADER_SIZE
+                self._header = header
+                self._set_destination(header)
+            except Exception as exc:
                 self._error = exc
                 raise
-            self._start += HEADER_SIZE
-            self._header = header
-            self._dest = self._destination(header)
             self._filled = 0
-        dest = self._dest
-        need = len(dest) - self._filled
+        need = self._length - self._filled
         have = self._end - self._start
         if need and have:
             n = need if need < have else have
-            dest[self._filled : self._filled + n] = self._view[self._start : self._start + n]
+            self._room(n)
+            self._dest[self._filled : self._filled + n] = self._view[self._start : self._start + n]
             self._filled += n
             self._start += n
         if self._start == self._end:
             self._start = self._end = 0
-        if self._filled < len(dest):
+        if self._filled < self._length:
             return None
-        frame = Frame(self._header, dest)
+        frame = Frame(self._header, self._dest)
         self._header = None
         self._dest = None
+        self._owned = False
         self._filled = 0
         return frame
 
-    def _destination(self, header: Header) -> memoryview:
-        if header.length == 0:
-            return memoryview(bytearray(0))
+    def _set_destination(self, header: Header) -> None:
+        length = header.length
+        self._length = length
+        self._owned = False
+        if length == 0:
+            self._dest = memoryview(bytearray(0))
+            return
         dest = self.allocate(header) if self.allocate is not None else None
         if dest is None:
-            return memoryview(bytearray(header.length))
+            self._dest = memoryview(bytearray(min(length, self._initial_payload)))
+            self._owned = True
+            return
         view = byte_view(dest)
-        if view.readonly or view.nbytes != header.length:
+        if view.readonly or view.nbytes != length:
             raise LocalProtocolError(
                 f"destination for kind {header.kind.name} key {header.key} clock {header.clock} "
-                f"must be a writable buffer of {header.length} bytes, got "
+                f"must be a writable buffer of {length} bytes, got "
                 f"{view.nbytes} bytes{' (read-only)' if view.readonly else ''}"
             )
-        return view
+        self._dest = view

@@ -36,6 +36,12 @@ assert HEADER_STRUCT.size == CHECKED_SIZE
 # a corrupted length cannot make a receiver allocate the machine's memory.
 DEFAULT_MAX_PAYLOAD = 1 << 30
 
+# Where a payload buffer the decoder allocates itself starts (when nobody registered a destination).
+# Frames up to 1 MiB (control messages, most merged layers) get their exact size at once; a 2 MiB
+# key-value chunk grows once. Doubling from there keeps the copying amortized O(bytes received):
+# the bytes moved by all the growths of one payload add up to less than its length.
+INITIAL_PAYLOAD_BUFFER = 1 << 20
+
 U16_MAX = (1 << 16) - 1
 U32_MAX = (1 << 32) - 1
 U64_MAX = (1 << 64) - 1
