@@ -190,9 +190,9 @@ async def test_local_link_lands_payloads_and_propagates_close():
 
 
 def test_reply_buffers_are_reused_only_once_nobody_holds_them():
-    from poseidon_aio.ps.shard import _ReplyBuffers
+    from poseidon_aio.ps.slots import ReplyBuffers
 
-    pool = _ReplyBuffers()
+    pool = ReplyBuffers()
     dt = np.dtype(np.float32)
     first = pool.take(0, 8, dt)
     first_id = id(first)

@@ -358,7 +358,8 @@ def _open_silent(address, count: int) -> list:
 def _server_connections_from(addresses: set) -> list:
     """Every server-side Connection still alive for a peer at one of ``addresses`` ("host:port")."""
     gc.collect()
-    live = [obj for obj in gc.get_objects() if isinstance(obj, Connection) and obj.role is Role.SERVER]
+    # type(), not isinstance(): the latter reads __class__, which some of torch's objects warn about.
+    live = [obj for obj in gc.get_objects() if type(obj) is Connection and obj.role is Role.SERVER]
     return [conn for conn in live if conn.peer_address in addresses]
 
 

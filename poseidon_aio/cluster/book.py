@@ -6,9 +6,11 @@ to ask another; its digest is compared at start-up.
 Partitioning (ATC'17 §4): each parameter is flattened and cut into ``ceil(nbytes / chunk)``
 key-value pairs of nearly equal size (at most ``chunk_bytes``, 2 MiB by default). Placement:
 longest-processing-time greedy — pairs in decreasing size, each to the shard with the fewest bytes
-so far (ties: lower shard id) — which keeps the largest shard within a pair of the mean. Stock
-TensorFlow's one-tensor-per-shard round robin (``placement="tensor"``) is kept for comparison:
-it puts a 400 MB FC weight on one shard.
+so far (ties: lower shard id) — and where a pair would take that shard past 1.05 x the mean, the
+pair is split so the shard gets exactly its share and the rest goes on: every model's shards are
+within 5 % of each other in bytes, small models (all tensors far under a chunk) included, for at
+most P2 - 1 more pairs. Stock TensorFlow's one-tensor-per-shard round robin
+(``placement="tensor"``) is kept for comparison: it puts a 400 MB FC weight on one shard.
 
 Messages: what travels in one frame. A message carries keys of one shard, packed in key order up
 to ``chunk_bytes``; by default every parameter is its own group, so a message is one key. Groups
@@ -28,6 +30,8 @@ from ..errors import ConfigError
 from .manifest import Manifest
 
 DEFAULT_CHUNK_BYTES = 2 << 20
+# The most a shard may hold over the mean before a key-value pair is split to even it out.
+BALANCE = 1.05
 
 
 @dataclass(frozen=True)
@@ -155,14 +159,66 @@ class InformationBook:
                 owner = group
             if current:
                 units.append((current, size))
-            shard_of = [0] * len(cuts)
-            load = [(0, s) for s in range(self.shards)]
-            for keys, nbytes in sorted(units, key=lambda u: (-u[1], u[0][0])):
-                used, shard = heapq.heappop(load)
-                for key in keys:
-                    shard_of[key] = shard
-                heapq.heappush(load, (used + nbytes, shard))
+            cuts, shard_of = self._place(cuts, units)
         return tuple(KVPair(k, p, o, n, b, shard_of[k]) for k, (p, o, n, b) in enumerate(cuts))
+
+    def _place(self, cuts: list, units: list) -> tuple:
+        """LPT over the units, splitting the one that would push the least-loaded shard past
+        ``BALANCE`` x the mean: it fills that shard and the rest goes back in the queue. Every
+        split fills a shard, so there are at most P2 - 1 of them: a model whose tensors are all
+        far smaller than a chunk (a 67 k-parameter CNN over 4 shards) gets each shard its share
+        for at most 3 more key-value pairs. Factored layers and merge groups are never split.
+        Returns the cuts (split ones in two, in (param, offset) order) and their shards."""
+        total = sum(nbytes for _, nbytes in units)
+        cap = BALANCE * total / self.shards
+        pieces = [list(cuts[k]) for k in range(len(cuts))]  # mutable: a split shortens one
+        shard_of: dict = {}
+        load = [(0, s) for s in range(self.shards)]
+        queue = [(-nbytes, keys[0], keys) for keys, nbytes in units]
+        heapq.heapify(queue)
+        while queue:
+            size, _, keys = heapq.heappop(queue)
+            size = -size
+            used, shard = heapq.heappop(load)
+            room = cap - used
+            # Never split: a factored layer (one shard rebuilds it) or a merge group (MG-WFBP chose
+            # one message over the bytes it saves; splitting would add the start-up it saved).
+            whole = used + size <= cap or any(pieces[k][0] in self._whole or pieces[k][0] in self._group_index for k in keys)
+            if not whole:
+                taken, rest = self._take(pieces, keys, room)
+                if taken:
+                    for k in taken:
+                        shard_of[k] = shard
+                    placed = sum(pieces[k][3] for k in taken)
+                    heapq.heappush(load, (used + placed, shard))
+                    remaining = sum(pieces[k][3] for k in rest)
+                    heapq.heappush(queue, (-remaining, min(rest), rest))
+                    continue
+            for k in keys:
+                shard_of[k] = shard
+            heapq.heappush(load, (used + size, shard))
+        order = sorted(range(len(pieces)), key=lambda k: (pieces[k][0], pieces[k][1]))
+        return [tuple(pieces[k]) for k in order], [shard_of[k] for k in order]
+
+    def _take(self, pieces: list, keys: list, room: float) -> tuple:
+        """Take at most ``room`` bytes off the front of unit ``keys``, whole pieces first, then
+        part of the next (a new piece). Returns ``(taken keys, remaining keys)``."""
+        taken, left = [], room
+        for i, k in enumerate(keys):
+            param, offset, numel, nbytes = pieces[k]
+            if nbytes <= left:
+                taken.append(k)
+                left -= nbytes
+                continue
+            itemsize = self.manifest[param].itemsize
+            head = int(left // itemsize)
+            if head:
+                pieces[k] = [param, offset, head, head * itemsize]
+                pieces.append([param, offset + head, numel - head, (numel - head) * itemsize])
+                taken.append(k)
+                return taken, [len(pieces) - 1, *keys[i + 1 :]]
+            return taken, list(keys[i:])
+        return taken, []
 
     def _groups(self, groups: Optional[Sequence[Sequence[str]]]) -> tuple:
         assigned: dict = {}

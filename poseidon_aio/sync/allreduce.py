@@ -1,0 +1,217 @@
+"""All-reduce over the worker mesh: a reduce-scatter then an all-gather, no server.
+
+A bucket's arrays, read as one flat sequence, are cut into P contiguous slices; rank ``r`` owns
+slice ``r``. Each slice travels in chunks of at most ``chunk_bytes`` so the first bytes move (and
+are summed) while the rest are still on the wire:
+
+1. reduce-scatter: every rank sends chunk ``c`` of slice ``q`` to its owner ``q`` (PUSH frames);
+2. the owner sums the P contributions of each chunk in rank order and divides by P — bitwise the
+   same whatever order they arrived in — as soon as that chunk's P - 1 peers' parts are in;
+3. all-gather: the owner sends each reduced chunk to every peer (AGGREGATE frames), which lands it
+   in the bucket's outs; every replica holds the owner's bits, so replicas stay identical.
+
+Per worker and per direction that is 2MN(P-1)/P floats, a ring all-reduce's bytes, in two rounds
+of messages (a ring needs 2(P-1)): what a PS with co-located shards moves, but every layer spread
+over every rank, so no one link carries a small layer alone.
+
+Frame keys: ``(first layer of the bucket) << 16 | chunk``; the clock is the training clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import ConfigError, SyncTimeout
+from ..wire import Kind
+from ..wire.codec import byte_view
+from .bucket import Bucket
+from .cost import Scheme
+from .syncer import SyncContext, Syncer, SyncResult, register
+from .broadcast import WIRE_DTYPES
+
+CHUNKS_PER_LAYER = 1 << 16
+
+
+class _Layout:
+    """A bucket's arrays as one flat sequence: owners' slices, their chunks, and where each chunk's
+    bytes lie in the arrays (``[(array index, start, stop)]``, element offsets)."""
+
+    def __init__(self, sizes: Sequence[int], world: int, chunk_items: int) -> None:
+        total = sum(sizes)
+        self.starts = np.cumsum([0, *sizes])
+        base, extra = divmod(total, world)
+        bounds = [0]
+        for r in range(world):
+            bounds.append(bounds[-1] + base + (1 if r < extra else 0))
+        self.chunks = []  # (owner, start, stop) in flat elements
+        for owner in range(world):
+            lo, hi = bounds[owner], bounds[owner + 1]
+            while lo < hi:
+                self.chunks.append((owner, lo, min(hi, lo + chunk_items)))
+                lo = min(hi, lo + chunk_items)
+        if len(self.chunks) > CHUNKS_PER_LAYER:
+            raise ConfigError(f"a bucket of {total} elements makes {len(self.chunks)} chunks; raise the chunk size")
+
+    def pieces(self, start: int, stop: int) -> list:
+        """``[(array, lo, hi)]`` covering flat elements ``[start, stop)``."""
+        out = []
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < stop:
+            a_lo = self.starts[i]
+            a_hi = self.starts[i + 1]
+            hi = min(stop, a_hi)
+            if hi > start:
+                out.append((i, int(start - a_lo), int(hi - a_lo)))
+            start = hi
+            i += 1
+        return out
+
+
+@register
+class AllReduceSyncer(Syncer):
+    """Args:
+        rank, world: this worker and how many there are.
+        peers: ``{rank: link}`` to every other worker.
+        timeout: seconds to wait for any one part.
+        chunk_bytes: the pipelining granularity (``PSConfig.chunk_bytes``: the same 2 MiB).
+    """
+
+    scheme = Scheme.ALLREDUCE
+    mergeable = True
+
+    def __init__(self, rank: int, world: int, peers, timeout: float, chunk_bytes: int = 2 << 20) -> None:
+        self.rank = rank
+        self.world = world
+        self._peers = dict(peers)
+        self._timeout = timeout
+        self._chunk_bytes = chunk_bytes
+        self._layouts: dict = {}
+        self._free: dict = {}  # (shape, dtype) -> receive buffers made before, reused
+
+    @classmethod
+    def build(cls, ctx: SyncContext) -> "AllReduceSyncer":
+        return cls(ctx.rank, ctx.world, ctx.peers, ctx.timeout, ctx.chunk_bytes)
+
+    def start(self, bucket: Bucket, clock: int) -> asyncio.Task:
+        return asyncio.ensure_future(self._sync(bucket, clock))
+
+    def _layout(self, bucket: Bucket, itemsize: int) -> _Layout:
+        sizes = tuple(g.size for g in bucket.grads)
+        key = (bucket.layers, sizes)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = _Layout(sizes, self.world, max(1, self._chunk_bytes // itemsize))
+        return layout
+
+    async def _sync(self, bucket: Bucket, clock: int) -> SyncResult:
+        grads = [g.reshape(-1) for g in bucket.grads]
+        outs = [o.reshape(-1) for o in bucket.outs]
+        dtype = grads[0].dtype
+        if any(g.dtype != dtype for g in grads):
+            raise ConfigError(f"bucket {bucket.label} mixes dtypes {sorted({str(g.dtype) for g in grads})}: all-reduce one dtype at a time")
+        wire = WIRE_DTYPES[dtype]
+        if self.world == 1:
+            for g, o in zip(grads, outs):
+                np.copyto(o, g)
+            return SyncResult()
+        layout = self._layout(bucket, dtype.itemsize)
+        base = bucket.layers[0] * CHUNKS_PER_LAYER
+        mine = [(c, start, stop) for c, (owner, start, stop) in enumerate(layout.chunks) if owner == self.rank]
+        # Register every receive before anything is sent: a part that beats its expect would be
+        # copied once more out of the inbox.
+        parts = {}  # (chunk, peer) -> (future, buffer)
+        for c, start, stop in mine:
+            for q, conn in self._peers.items():
+                buf = self._take((stop - start,), dtype)
+                parts[(c, q)] = (conn.expect(Kind.PUSH, base + c, clock, into=buf), buf)
+        gathers = {}  # chunk -> future of the owner's reduced chunk
+        landings = {}
+        for c, (owner, start, stop) in enumerate(layout.chunks):
+            if owner == self.rank:
+                continue
+            into, pieces = self._landing(layout, outs, start, stop, dtype)
+            gathers[c] = self._peers[owner].expect(Kind.AGGREGATE, base + c, clock, into=into)
+            landings[c] = (into, pieces)
+        sent = received = 0
+        try:
+            sends = []
+            for c, (owner, start, stop) in enumerate(layout.chunks):
+                if owner != self.rank:
+                    payload = [grads[i][lo:hi] for i, lo, hi in layout.pieces(start, stop)]
+                    sends.append(self._peers[owner].send(Kind.PUSH, payload, key=base + c, clock=clock, dtype=wire, priority=bucket.priority))
+                    sent += (stop - start) * dtype.itemsize
+            reduce_tasks = [asyncio.ensure_future(self._reduce_and_gather(bucket, layout, grads, outs, parts, c, start, stop, base, clock, wire)) for c, start, stop in mine]
+            await self._bounded(asyncio.gather(*sends), bucket, clock, "sending its parts")
+            for n in await self._bounded(asyncio.gather(*reduce_tasks), bucket, clock, "the other ranks' parts"):
+                sent += n
+            frames = await self._bounded(asyncio.gather(*gathers.values()), bucket, clock, "the reduced chunks")
+        except BaseException:
+            for fut, _ in parts.values():
+                fut.cancel()
+            for fut in gathers.values():
+                fut.cancel()
+            raise
+        for c, frame in zip(gathers, frames):
+            into, pieces = landings[c]
+            received += frame.header.length
+            if pieces is not None:  # a chunk across arrays: scatter it
+                offset = 0
+                for o, lo, hi in pieces:
+                    outs[o][lo:hi] = into[offset : offset + hi - lo]
+                    offset += hi - lo
+                self._give(into)
+        for (c, q), (fut, buf) in parts.items():
+            received += buf.nbytes
+            self._give(buf)
+        return SyncResult(sent, received)
+
+    async def _reduce_and_gather(self, bucket, layout, grads, outs, parts, c, start, stop, base, clock, wire) -> int:
+        """Sum chunk ``c`` (this rank owns it) in rank order once every peer's part is in, put the
+        mean in the outs, send it to every peer; return the bytes sent."""
+        await asyncio.gather(*(parts[(c, q)][0] for q in self._peers))
+        pieces = layout.pieces(start, stop)
+        mine = np.concatenate([grads[i][lo:hi] for i, lo, hi in pieces]) if len(pieces) > 1 else grads[pieces[0][0]][pieces[0][1] : pieces[0][2]]
+        total = None
+        for r in range(self.world):
+            x = mine if r == self.rank else parts[(c, r)][1]
+            total = x.copy() if total is None else np.add(total, x, out=total)
+        np.divide(total, total.dtype.type(self.world), out=total)
+        offset = 0
+        for i, lo, hi in pieces:
+            outs[i][lo:hi] = total[offset : offset + hi - lo]
+            offset += hi - lo
+        await asyncio.gather(*(conn.send(Kind.AGGREGATE, total, key=base + c, clock=clock, dtype=wire, priority=bucket.priority) for conn in self._peers.values()))
+        return total.nbytes * len(self._peers)
+
+    def _landing(self, layout: _Layout, outs: list, start: int, stop: int, dtype):
+        """Where a reduced chunk is received: straight into the out array when it lies in one,
+        else a buffer scattered afterwards (returned with its pieces)."""
+        pieces = layout.pieces(start, stop)
+        if len(pieces) == 1:
+            i, lo, hi = pieces[0]
+            view = outs[i][lo:hi]
+            if view.flags.c_contiguous and not byte_view(view).readonly:
+                return view, None
+        return self._take((stop - start,), dtype), pieces
+
+    def _take(self, shape: tuple, dtype) -> np.ndarray:
+        free = self._free.get((shape, dtype))
+        return free.pop() if free else np.empty(shape, dtype=dtype)
+
+    def _give(self, buf: np.ndarray) -> None:
+        # Receive buffers are reused step after step: fresh ones cost a page fault per 4 KiB.
+        pool = self._free.setdefault((buf.shape, buf.dtype), [])
+        if len(pool) < 4 * self.world:
+            pool.append(buf)
+
+    async def _bounded(self, aw, bucket: Bucket, clock: int, what: str):
+        try:
+            return await asyncio.wait_for(aw, self._timeout)
+        except TimeoutError:
+            raise SyncTimeout(
+                f"rank {self.rank}: all-reduce of {bucket.label} at clock {clock}: {what} did not arrive within "
+                f"{self._timeout} s; a worker may be dead or stalled"
+            ) from None
