@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from poseidon_aio import kernels
 from poseidon_aio.errors import ConfigError, RemoteProtocolError
-from poseidon_aio.sync import Bucket, LayerShape, Merging, Mode, PlanLayer, Scheme, SyncResult, choose_schemes
+from poseidon_aio.sync import PAPER_SCHEMES, Bucket, LayerShape, Merging, Mode, PlanLayer, Scheme, SyncResult, choose_schemes
 from poseidon_aio.wire import factors
 from poseidon_aio.train.staging import Staging
 from poseidon_aio.wire import DType, Frame, Header, Kind
@@ -46,8 +46,11 @@ def _fc(name, m, n):
 
 def test_the_plan_follows_algorithm_1_and_respects_overrides():
     layers = [PlanLayer(LayerShape("conv", "conv", 1000, 1), False), _fc("fc6", 4096, 4096), _fc("head", 2, 4096)]
+    paper = choose_schemes(layers, {"fc6": 32, "head": 32}, mode=Mode.POSEIDON, workers=8, shards=8, candidates=PAPER_SCHEMES)
+    assert paper == {"conv": Scheme.PS, "fc6": Scheme.SFB, "head": Scheme.PS}
+    # With all-reduce a candidate, the layers whose keys would sit on one shard go by it.
     plan = choose_schemes(layers, {"fc6": 32, "head": 32}, mode=Mode.POSEIDON, workers=8, shards=8)
-    assert plan == {"conv": Scheme.PS, "fc6": Scheme.SFB, "head": Scheme.PS}
+    assert plan == {"conv": Scheme.ALLREDUCE, "fc6": Scheme.SFB, "head": Scheme.ALLREDUCE}
     assert choose_schemes(layers, {"fc6": 32}, mode=Mode.WFBP, workers=8, shards=8)["fc6"] is Scheme.PS
     forced = choose_schemes(layers, {}, mode=Mode.POSEIDON, workers=8, shards=8, overrides={"head": "adam"})
     assert forced["head"] is Scheme.ADAM and forced["fc6"] is Scheme.PS  # no K measured: PS
@@ -136,3 +139,20 @@ def test_the_torch_kernel_takes_received_host_arrays():
     expected = sum(u.T @ v for u, v in zip(us, vs)) * 0.5
     np.testing.assert_allclose(w.numpy(), expected, rtol=1e-5)
     np.testing.assert_allclose(b.numpy(), sum(u.sum(0) for u in us) * 0.5, rtol=1e-5)
+
+
+def test_hybcomm_weighs_time_on_the_measured_link_and_ties_go_to_the_paper():
+    from poseidon_aio.sync import Link, hybcomm_choice
+
+    fc = LayerShape("fc7", "fc", 4096, 4096, rows=32, bias=True)
+    conv = LayerShape("conv", "conv", 3 * 3 * 64 * 64, 1)  # 147 KiB: one shard holds it all
+    big_conv = LayerShape("conv5", "conv", 9 * 512 * 512, 1)  # 9 MiB: spread over every shard
+    # Bytes only (the paper's accounting): SFB for the big FC layer, all-reduce for a conv layer
+    # whose keys sit on one shard, and a tie (the PS spread over all shards) goes to the paper: PS.
+    assert hybcomm_choice(fc, 8, 8) is Scheme.SFB
+    assert hybcomm_choice(conv, 8, 8) is Scheme.ALLREDUCE
+    assert hybcomm_choice(big_conv, 4, 4) is Scheme.PS
+    # A slow start-up per message favours the scheme with fewer rounds: SFB's one over two.
+    head = LayerShape("head", "fc", 10, 96, rows=32, bias=True)
+    assert hybcomm_choice(head, 4, 4, link=Link(alpha=0.0, beta=1.0)) in (Scheme.PS, Scheme.ALLREDUCE)
+    assert hybcomm_choice(head, 4, 4, link=Link(alpha=1e-3, beta=1e-9)) is Scheme.SFB

@@ -64,15 +64,24 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
         rdzv = Rendezvous(ClusterEnv.from_env(), timeout=60)
         await rdzv.start()
         out = {}
-        for label, mode, overrides, *merge in runs:
+        for label, mode, overrides, *rest in runs:
+            merge = rest[0] if rest else None
+            extra = rest[1] if len(rest) > 1 else {}
             model = build_model(spec, seed + (rank if label == "skewed" else 0))
             if overrides == "adam-first-linear":
                 overrides = {next(n for n, m in model.named_modules() if isinstance(m, nn.Linear)): "adam"}
+            elif overrides == "every-allreduce":
+                overrides = {n: "allreduce" for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))}
+            elif overrides == "mixed":  # the first Linear by SFB, then all-reduce and PS in turn
+                owners = [(n, m) for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
+                first = next(n for n, m in owners if isinstance(m, nn.Linear))
+                rest = [n for n, _ in owners if n != first]
+                overrides = {first: "sfb", **{n: ("allreduce", "ps")[i % 2] for i, n in enumerate(rest)}}
             opt = make_optimizer(model)
-            merging = MergeConfig(kind=merge[0] if merge else None, after=1, calibration_sizes=(4096, 65536))
+            merging = MergeConfig(kind=merge, after=1, calibration_sizes=(4096, 65536))
             trainer = poseidon_aio.Trainer(
                 model, opt, nn.functional.cross_entropy, mode=mode, schemes=overrides,
-                ps=PSConfig(**ps_kwargs), rendezvous=rdzv.job(label), merge=merging,
+                ps=PSConfig(**ps_kwargs), rendezvous=rdzv.job(label), merge=merging, **extra,
             )
             stats = []
             async with trainer:
@@ -303,7 +312,9 @@ def server_sgd_worker(rank: int, spec: dict, seed: int, steps: int, size: int, m
 
     async def main():
         stats = []
-        async with poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, mode=mode, ps=config) as trainer:
+        # The paper's HybComm: layers the shards update by PS beside layers the user's optimizer
+        # updates by SFB (on loopback, three-way HybComm would send both these small layers by SFB).
+        async with poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, mode=mode, ps=config, hybcomm=("ps", "sfb")) as trainer:
             for t in range(steps):
                 stats.append(await trainer.step(batch(spec, seed, rank, t, size)))
         return [p.detach().numpy().copy() for p in model.parameters()], stats[-1].schemes

@@ -5,8 +5,9 @@ buffers out. Nothing here imports torch; the sufficient-factor kernel is passed 
 """
 
 from .adam import AdamSyncer
+from .allreduce import AllReduceSyncer
 from .bucket import Bucket
-from .cost import LayerKind, LayerShape, Scheme, best_scheme, layer_cost
+from .cost import HYBCOMM_SCHEMES, PAPER_SCHEMES, LayerKind, LayerShape, Link, Scheme, best_scheme, hybcomm_choice, layer_cost
 from .merge import Merging
 from .plan import Mode, PlanLayer, choose_schemes
 from .ps import PSSyncer
@@ -16,6 +17,11 @@ from .syncer import SYNCERS, SyncContext, Syncer, SyncResult, register, syncer_c
 
 __all__ = [
     "AdamSyncer",
+    "AllReduceSyncer",
+    "HYBCOMM_SCHEMES",
+    "Link",
+    "PAPER_SCHEMES",
+    "hybcomm_choice",
     "Bucket",
     "CALIBRATION_SIZES",
     "LayerKind",

@@ -9,13 +9,25 @@ PS, a server node          2 P1 MN / P2
 PS, worker + server node   2MN (P1 + P2 - 2) / P2   (co-located shards: Poseidon's layout)
 SFB, a worker node         2K (P1 - 1)(M + N)       (send K(M+N) to each peer, receive theirs)
 Adam, a worker node        K(M + N) + MN            (push factors, pull the full matrix)
+all-reduce, a worker node  4MN (P1 - 1) / P1        (reduce-scatter + all-gather, in and out)
 =========================  ==========================================================
+
+Every row counts floats in *and* out of a node, as Table 1 does. A ring all-reduce moves
+2MN(P-1)/P each way: with co-located, balanced shards (P1 = P2 = P) the PS moves exactly the
+same bytes; what differs is how evenly they spread over the links (a small layer's keys sit on
+one shard) and how many messages they take.
 
 Cluster totals as the 2015 paper counts them: PS 2 P MN, SFB (P - 1)^2 K (M + N),
 Adam P K (M + N) + P MN.
 
-BestScheme: a fully-connected layer goes by SFB when 2K(P1-1)(M+N) <= 2MN(P1+P2-2)/P2 (ties go to
-SFB, as Algorithm 1 writes it); every other layer goes by PS. Pure functions: no torch, no I/O.
+BestScheme (Algorithm 1): a fully-connected layer goes by SFB when 2K(P1-1)(M+N) <=
+2MN(P1+P2-2)/P2 (ties go to SFB, as Algorithm 1 writes it); every other layer goes by PS.
+
+HybComm with a link (:func:`hybcomm_choice`): every candidate's predicted time on a worker's
+link, ``messages x alpha + bytes each way x beta``, with the PS's bytes on the busiest node for
+the shards the layer's keys actually occupy; the least wins, a tie goes to Algorithm 1's choice,
+so with the paper's assumptions (a layer spread over every shard, bytes only) the paper's cases
+come out as the paper says. Pure functions: no torch, no I/O.
 """
 
 from __future__ import annotations
@@ -24,6 +36,8 @@ import enum
 from dataclasses import dataclass
 from typing import Optional
 
+from ..errors import ConfigError
+
 
 class Scheme(str, enum.Enum):
     """How a layer's gradient is synchronized."""
@@ -31,6 +45,11 @@ class Scheme(str, enum.Enum):
     PS = "ps"  # the sharded parameter server
     SFB = "sfb"  # sufficient factor broadcasting over the worker mesh
     ADAM = "adam"  # Project Adam: factors to the PS, full matrices back
+    ALLREDUCE = "allreduce"  # reduce-scatter + all-gather over the worker mesh
+
+
+PAPER_SCHEMES = (Scheme.PS, Scheme.SFB)  # what ATC'17's HybComm chooses between
+HYBCOMM_SCHEMES = (Scheme.PS, Scheme.SFB, Scheme.ALLREDUCE)
 
 
 class LayerKind(str, enum.Enum):
@@ -77,6 +96,7 @@ class Cost:
     ps_combined: float
     sfb: float
     adam: float
+    allreduce: float
     cluster_ps: float
     cluster_sfb: float
     cluster_adam: float
@@ -104,6 +124,7 @@ def layer_cost(layer: LayerShape, workers: int, servers: int) -> Cost:
         ps_combined=ps_combined,
         sfb=sfb,
         adam=adam,
+        allreduce=4.0 * mn * (p1 - 1) / p1,
         cluster_ps=2.0 * p1 * mn,
         cluster_sfb=float((p1 - 1) ** 2 * k * (m + n)) if fc else float("inf"),
         cluster_adam=float(p1 * k * (m + n) + p1 * mn) if fc else float("inf"),
@@ -122,6 +143,72 @@ def best_scheme(layer: LayerShape, workers: int, servers: int) -> Scheme:
         return Scheme.PS
     cost = layer_cost(layer, workers, servers)
     return Scheme.SFB if cost.sfb <= cost.ps_combined else Scheme.PS
+
+
+@dataclass(frozen=True)
+class Link:
+    """A worker's link as HybComm sees it: ``alpha`` seconds of start-up per message (round of
+    messages), ``beta`` seconds per byte in each direction (full duplex).
+
+    ``Link()`` (alpha 0, beta 1 s/byte) compares bytes only, as the paper does.
+    """
+
+    alpha: float = 0.0
+    beta: float = 1.0
+
+    @classmethod
+    def of_bandwidth(cls, bytes_per_s: float, alpha: float = 0.0) -> "Link":
+        return cls(alpha, 1.0 / bytes_per_s)
+
+
+def predicted_time(layer: LayerShape, scheme: Scheme, workers: int, servers: int, link: Link, *, chunk_bytes: int = 2 << 20, itemsize: int = 4) -> float:
+    """Seconds ``scheme`` takes to sync ``layer`` on the busiest worker link (inf if it cannot).
+
+    PS: a push and a reply; the layer's keys occupy ``s = min(P2, ceil(bytes / chunk))`` shards,
+    so a node hosting one of them sends ``b (s - 1) / s`` of pushes and ``(P1 - 1) b / s`` of
+    replies (for s = P2 = P1 = P that is Table 1's ``2b (P - 1) / P`` each way). All-reduce: two
+    rounds, ``2b (P - 1) / P`` each way. SFB: one round, ``K (M + N) (P - 1)`` floats each way.
+    """
+    if workers < 2:
+        return 0.0
+    p1, p2 = workers, servers
+    b = layer.params * itemsize
+    if scheme is Scheme.PS:
+        s = min(p2, max(1, -(-b // chunk_bytes)))
+        return 2 * link.alpha + link.beta * b * (s - 1 + p1 - 1) / s
+    if scheme is Scheme.ALLREDUCE:
+        return 2 * link.alpha + link.beta * 2 * b * (p1 - 1) / p1
+    if scheme is Scheme.SFB:
+        if layer.kind is not LayerKind.FC or not layer.rows:
+            return float("inf")
+        return link.alpha + link.beta * itemsize * layer.rows * (layer.m + layer.n) * (p1 - 1)
+    raise ConfigError(f"no time model for scheme {scheme.value!r}")
+
+
+def hybcomm_choice(
+    layer: LayerShape,
+    workers: int,
+    servers: int,
+    *,
+    link: Link = Link(),
+    candidates=HYBCOMM_SCHEMES,
+    chunk_bytes: int = 2 << 20,
+) -> Scheme:
+    """The candidate with the least :func:`predicted_time`; a tie goes to Algorithm 1's choice.
+
+    >>> hybcomm_choice(LayerShape("fc7", "fc", 4096, 4096, rows=32), 8, 8)
+    <Scheme.SFB: 'sfb'>
+    >>> hybcomm_choice(LayerShape("conv1", "conv", 64, 27), 8, 8)   # one shard holds it all
+    <Scheme.ALLREDUCE: 'allreduce'>
+    >>> hybcomm_choice(LayerShape("conv1", "conv", 64, 27), 8, 8, candidates=PAPER_SCHEMES)
+    <Scheme.PS: 'ps'>
+    """
+    paper = best_scheme(layer, workers, servers)
+    times = {c: predicted_time(layer, c, workers, servers, link, chunk_bytes=chunk_bytes) for c in candidates}
+    best = min(times.values())
+    if paper in times and times[paper] <= best:
+        return paper
+    return min(times, key=lambda c: (times[c], HYBCOMM_SCHEMES.index(c) if c in HYBCOMM_SCHEMES else 99))
 
 
 def layers_of_manifest(specs, rows: Optional[int] = None) -> list:

@@ -18,7 +18,7 @@ from .syncer import Syncer, SyncResult
 
 class Merging(Syncer):
     """Args:
-        inner: the syncer a merged bucket goes to (the parameter server's).
+        inner: the syncer a merged bucket goes to (a ``mergeable`` one: the PS, all-reduce).
         groups: layer indices that travel together, each group in model order; a layer in no
             group (or alone in one) goes on its own.
     """
@@ -26,6 +26,7 @@ class Merging(Syncer):
     def __init__(self, inner: Syncer, groups: Sequence[Sequence[int]]) -> None:
         self.inner = inner
         self.scheme = inner.scheme
+        self.mergeable = True
         self.groups = [tuple(g) for g in groups]
         self._group_of = {layer: g for g, members in enumerate(self.groups) if len(members) > 1 for layer in members}
         self._waiting: dict = {}  # (group, clock) -> {layer: (bucket, future)}

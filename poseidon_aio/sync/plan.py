@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from ..errors import ConfigError
-from .cost import LayerShape, Scheme, best_scheme
+from .cost import HYBCOMM_SCHEMES, PAPER_SCHEMES, LayerShape, Link, Scheme, best_scheme, hybcomm_choice
 from .syncer import syncer_class
 
 
@@ -22,7 +22,7 @@ class Mode(str, enum.Enum):
     NAIVE = "naive"  # every layer by PS, all started after the whole backward
     WFBP = "wfbp"  # every layer by PS, each the moment its gradient exists
     MGWFBP = "mgwfbp"  # WFBP by PS, small consecutive layers merged into one message
-    POSEIDON = "poseidon"  # WFBP + HybComm (SFB where it moves fewer bytes) + merging
+    POSEIDON = "poseidon"  # WFBP + HybComm (the cheapest of PS, SFB, all-reduce per layer) + merging
 
 
 @dataclass(frozen=True)
@@ -46,12 +46,19 @@ def choose_schemes(
     workers: int,
     shards: int,
     overrides: Optional[Mapping[str, str]] = None,
+    link: Link = Link(),
+    candidates=HYBCOMM_SCHEMES,
+    chunk_bytes: int = 2 << 20,
 ) -> dict:
     """``{layer name: Scheme}``.
 
     Args:
-        rows: K per layer per worker (max over ranks); a layer never called has none and goes by PS.
+        rows: K per layer per worker (max over ranks); a layer never called has no K and SFB
+            cannot judge it.
         overrides: ``{layer name: scheme}`` the user fixed.
+        link: the measured alpha and beta (default: bytes only, as the paper counts).
+        candidates: the schemes HybComm weighs in mode ``poseidon`` by their predicted time on
+            ``link``; exactly the paper's (PS and SFB) is Algorithm 1 on bytes, as ATC'17 writes it.
     Raises:
         ConfigError: an override names a scheme the layer cannot use, a layer the model does not
             have, or a scheme the mode does not use.
@@ -70,8 +77,15 @@ def choose_schemes(
                     f"layer {layer.name} ({layer.shape.kind.value}) cannot go by {scheme.value}: only an unshared "
                     "float32 nn.Linear has sufficient factors"
                 )
-        elif mode is Mode.POSEIDON and layer.factorable and rows.get(layer.name):
-            scheme = best_scheme(layer.shape.with_rows(rows[layer.name]), workers, shards)
+        elif mode is Mode.POSEIDON and set(candidates) == set(PAPER_SCHEMES):
+            # The paper's HybComm: Algorithm 1, on bytes (a layer never called has no K: PS).
+            factored = layer.factorable and rows.get(layer.name)
+            scheme = best_scheme(layer.shape.with_rows(rows[layer.name]), workers, shards) if factored else Scheme.PS
+        elif mode is Mode.POSEIDON and workers > 1:
+            # SFB needs factors (a factorable layer) and K (a layer the planning forward called).
+            usable = [c for c in candidates if not syncer_class(c).captures_factors or (layer.factorable and rows.get(layer.name))]
+            usable = usable or [Scheme.PS]
+            scheme = hybcomm_choice(layer.shape.with_rows(rows.get(layer.name, 0)), workers, shards, link=link, candidates=usable, chunk_bytes=chunk_bytes)
         else:
             scheme = Scheme.PS
         if mode is not Mode.POSEIDON and scheme is not Scheme.PS:

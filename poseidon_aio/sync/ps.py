@@ -19,6 +19,7 @@ class PSSyncer(Syncer):
 
     scheme = Scheme.PS
     on_ps = True
+    mergeable = True
 
     def __init__(self, client, index) -> None:
         self._client = client

@@ -1,9 +1,10 @@
 """The MG-WFBP runtime: calibrate the link, measure warm-up steps, refit, plan once, agree.
 
 At start-up the ranks time push/reply round trips of several sizes around a ring and fit
-``T(p) = a + b p``. For ``MergeConfig.after`` steps the trainer reports each step's forward time,
-when each parameter-server layer's gradient was ready, and the intervals its PS syncs ran; then
-rank 0 refits the per-byte cost from those syncs, plans (``mgwfbp.merge_plan`` or
+``T(p) = a + b p`` (:func:`calibrate`; HybComm's link, :func:`link_of`, comes from the same fit).
+For ``MergeConfig.after`` steps the trainer reports, per mergeable scheme (PS, all-reduce), each
+step's forward time, when each of its layers' gradient was ready, and the intervals its syncs
+ran; then rank 0 refits the per-byte cost from those syncs, plans (``mgwfbp.merge_plan`` or
 ``mgwfbp.optimal_plan``), publishes the plan, and every rank checks its hash before adopting it.
 """
 
@@ -21,6 +22,7 @@ import numpy as np
 
 from ..errors import ConfigError, SyncTimeout
 from ..wire import Kind
+from .cost import Link, Scheme
 from .mgwfbp import CommModel, fit, merge_plan, optimal_plan
 
 CALIBRATION_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
@@ -76,43 +78,58 @@ class _Samples:
     ps: list = field(default_factory=list)  # (syncs, bytes, busy seconds)
 
 
+async def calibrate(rank: int, world: int, peers: Mapping[int, object], sizes: Sequence[int], timeout: float) -> list:
+    """Round trips around the ring of ranks shaped like a PS sync (a PUSH out, an AGGREGATE of
+    the same size back), three per size, while the links are idle: ``[(bytes, seconds)]``."""
+    nxt, prv = peers[(rank + 1) % world], peers[(rank - 1) % world]
+    samples = []
+    for i, size in enumerate(sizes):
+        payload = np.zeros(size, dtype=np.uint8)
+        for rep in range(3):
+            clock = _CALIBRATION_CLOCK + 10 * i + rep
+            back = nxt.expect(Kind.AGGREGATE, _CALIBRATION_KEY, clock)
+            incoming = prv.expect(Kind.PUSH, _CALIBRATION_KEY, clock)
+            started = time.perf_counter()
+            await nxt.send(Kind.PUSH, payload, key=_CALIBRATION_KEY, clock=clock)
+            try:
+                await asyncio.wait_for(incoming, timeout)
+                await prv.send(Kind.AGGREGATE, payload, key=_CALIBRATION_KEY, clock=clock)
+                await asyncio.wait_for(back, timeout)
+            except TimeoutError:
+                raise SyncTimeout(
+                    f"rank {rank}: a calibration message of {size} bytes did not come back from rank {nxt.peer_rank} within {timeout} s"
+                ) from None
+            samples.append((size, time.perf_counter() - started))
+    return samples
+
+
+def link_of(calibration: Sequence[tuple]) -> Link:
+    """HybComm's link from the round trips: a round trip is two messages, one each way, so alpha
+    and beta are half its fitted start-up and per-byte cost."""
+    if len(calibration) < 2:
+        return Link()
+    round_trip = fit(*zip(*calibration))
+    return Link(alpha=round_trip.a / 2, beta=max(round_trip.b / 2, 1e-12))
+
+
 class MergeRuntime:
-    """Args:
+    """Measures and plans the merging of one scheme's layers.
+
+    Args:
         config: :class:`MergeConfig` (a planned kind).
         rank, world, shards: this worker, P1 and P2.
+        scheme: the mergeable scheme whose layers it merges (PS or all-reduce).
+        calibration: the start-up round trips (:func:`calibrate`), shared by every scheme.
     """
 
-    def __init__(self, config: MergeConfig, rank: int, world: int, shards: int) -> None:
+    def __init__(self, config: MergeConfig, rank: int, world: int, shards: int, scheme: Scheme = Scheme.PS, calibration: Sequence[tuple] = ()) -> None:
         self.config = config
         self.rank = rank
         self.world = world
         self.shards = shards
-        self.calibration: list = []  # (bytes, round-trip seconds)
+        self.scheme = scheme
+        self.calibration = list(calibration)  # (bytes, round-trip seconds)
         self._samples = _Samples()
-
-    # -- calibration ------------------------------------------------------------------------
-
-    async def calibrate(self, peers: Mapping[int, object], timeout: float) -> None:
-        """Round trips around the ring of ranks shaped like a PS sync (a PUSH out, an AGGREGATE of
-        the same size back), three per calibration size, while the links are idle."""
-        nxt, prv = peers[(self.rank + 1) % self.world], peers[(self.rank - 1) % self.world]
-        for i, size in enumerate(self.config.calibration_sizes):
-            payload = np.zeros(size, dtype=np.uint8)
-            for rep in range(3):
-                clock = _CALIBRATION_CLOCK + 10 * i + rep
-                back = nxt.expect(Kind.AGGREGATE, _CALIBRATION_KEY, clock)
-                incoming = prv.expect(Kind.PUSH, _CALIBRATION_KEY, clock)
-                started = time.perf_counter()
-                await nxt.send(Kind.PUSH, payload, key=_CALIBRATION_KEY, clock=clock)
-                try:
-                    await asyncio.wait_for(incoming, timeout)
-                    await prv.send(Kind.AGGREGATE, payload, key=_CALIBRATION_KEY, clock=clock)
-                    await asyncio.wait_for(back, timeout)
-                except TimeoutError:
-                    raise SyncTimeout(
-                        f"rank {self.rank}: a calibration message of {size} bytes did not come back from rank {nxt.peer_rank} within {timeout} s"
-                    ) from None
-                self.calibration.append((size, time.perf_counter() - started))
 
     # -- measurement ------------------------------------------------------------------------
 
@@ -150,13 +167,15 @@ class MergeRuntime:
         s.ps.append((len(spans), nbytes, busy))
 
     def comm_model(self) -> CommModel:
-        """PS message time: start-up from the ring calibration, per-byte cost refit from the syncs."""
+        """Message time: start-up from the ring calibration, per-byte cost refit from the syncs."""
         round_trip = fit(*zip(*self.calibration)) if len(self.calibration) >= 2 else CommModel(0.0, 0.0)
-        # A PS sync is a push and a reply, like the calibration's round trip: its start-up is the
-        # round trip's; its bytes cross the busiest link (P1 + P2 - 2) / P2 times over in each
-        # direction (ATC'17 Table 1, per node), the round trip's once.
+        # A sync is a round of sends and a round of replies, like the calibration's round trip:
+        # its start-up is the round trip's. Its bytes cross the busiest link (P1 + P2 - 2) / P2
+        # times over each way for the PS (ATC'17 Table 1, per node), 2 (P - 1) / P times for
+        # all-reduce; the round trip's once.
         a = round_trip.a
-        b = round_trip.b / 2 * (self.world + self.shards - 2) / self.shards
+        spread = (self.world + self.shards - 2) / self.shards if self.scheme is Scheme.PS else 2 * (self.world - 1) / self.world
+        b = round_trip.b / 2 * spread
         # Refit the per-byte cost from training's own transfers: under the model a step's busy
         # time is n * a + b * bytes.
         steps = [(n, nbytes, busy) for n, nbytes, busy in self._samples.ps if nbytes]
@@ -186,9 +205,9 @@ class MergeRuntime:
             ManifestMismatch: a rank computed another plan (different code or settings).
             PeerTimeout: rank 0 did not publish one.
         """
-        key = f"merge-plan/{generation}"
+        key = f"merge-plan/{self.scheme.value}/{generation}"
         if self.rank == 0:
             await rdzv.publish(key, json.dumps(self.plan(layers, names, sizes)))
         text = await rdzv.read(key, who="rank 0")
-        await rdzv.check_digest(f"merge plan {generation}", text)
+        await rdzv.check_digest(f"{self.scheme.value} merge plan {generation}", text)
         return json.loads(text)

@@ -31,6 +31,7 @@ class SFBSyncer(Syncer):
 
     scheme = Scheme.SFB
     captures_factors = True
+    host_outs = False  # the reconstruction kernel writes the (device) tensors
 
     def __init__(self, rank: int, world: int, peers, reconstruct, executor, timeout: float) -> None:
         self.rank = rank

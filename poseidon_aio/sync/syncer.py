@@ -6,7 +6,10 @@ says, as class attributes, what it needs of the layers above and below it:
 
 * ``on_ps``: its layers' parameters are key-value pairs of the parameter server;
 * ``factored``: the parameter server rebuilds them from sufficient factors (Project Adam);
-* ``captures_factors``: the backward hooks keep the layer's ``(u, v)``, not its weight gradient.
+* ``captures_factors``: the backward hooks keep the layer's ``(u, v)``, not its weight gradient;
+* ``mergeable``: MG-WFBP may merge consecutive layers' buckets into one (:class:`Merging`);
+* ``host_outs``: the results arrive over the wire into host buffers (the trainer copies them to
+  a GPU tensor afterwards); a scheme that computes them (SFB's reconstruction) gets the tensors.
 
 A scheme is added by writing its class and listing it in :data:`SYNCERS`; the trainer, the
 information book and the cost model's explain read these attributes.
@@ -47,6 +50,7 @@ class SyncContext:
         reconstruct: the sufficient-factor kernel, ``reconstruct(us, vs, scale, out_w, out_b)``
             (the trainer passes torch's or CuPy's; ``sync`` itself stays torch-free).
         executor: the thread reconstructions run on.
+        chunk_bytes: the largest message a scheme sends at once (``PSConfig.chunk_bytes``).
     """
 
     rank: int
@@ -57,6 +61,7 @@ class SyncContext:
     ps_index: Mapping[int, int] = field(default_factory=dict)
     reconstruct: Optional[Callable] = None
     executor: Optional[Executor] = None
+    chunk_bytes: int = 2 << 20
 
 
 class Syncer(abc.ABC):
@@ -66,6 +71,8 @@ class Syncer(abc.ABC):
     on_ps: ClassVar[bool] = False
     factored: ClassVar[bool] = False
     captures_factors: ClassVar[bool] = False
+    mergeable: ClassVar[bool] = False
+    host_outs: ClassVar[bool] = True
 
     @classmethod
     @abc.abstractmethod

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..sync.cost import LayerKind, LayerShape
@@ -81,12 +82,36 @@ def discover(model: nn.Module) -> list:
     return layers
 
 
+class _FactoredLinear(torch.autograd.Function):
+    """``F.linear`` whose backward keeps the output-gradient rows ``u`` and returns the input's
+    gradient only: no weight or bias gradient. The reconstruction from every rank's factors
+    yields those, so computing them here too would be a K×M by K×N GEMM per layer per step
+    thrown away (a third of the layer's compute)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, capture, call):
+        ctx.save_for_backward(weight)
+        ctx.capture, ctx.call = capture, call
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        (weight,) = ctx.saved_tensors
+        ctx.capture.keep_u(ctx.call, g)
+        grad_x = g.matmul(weight) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None, None
+
+
 class FactorCapture:
-    """Forward/backward hooks of an ``nn.Linear`` that keep its sufficient factors.
+    """Keeps an ``nn.Linear``'s sufficient factors.
 
     ``v``: the input rows (K×N), kept in the forward; ``u``: the output-gradient rows (K×M),
     kept in the backward. A module called several times in one forward keeps the rows of every
     call, paired call by call, so ``sum u^T v`` is still its whole gradient.
+
+    A plain ``nn.Linear`` runs, while capturing, through :class:`_FactoredLinear`: autograd then
+    computes no weight gradient at all. A subclass with a forward of its own keeps it, and its
+    factors come from hooks (autograd's weight gradient is computed, unused).
     """
 
     def __init__(self, layer: Layer, on_ready: Callable[[Layer], None]) -> None:
@@ -98,33 +123,51 @@ class FactorCapture:
         self._us: dict = {}
         self._calls = 0
         self._lock = threading.Lock()
-        self._handle = layer.module.register_forward_hook(self._forward)
+        module = layer.module
+        self._replaced = type(module).forward is nn.Linear.forward
+        if self._replaced:
+            module.forward = self._forward  # an instance attribute, shadowing Linear.forward
+            self._handle = None
+        else:
+            self._handle = module.register_forward_hook(self._hooked)
 
     def reset(self, enabled: bool) -> None:
         """Forget the last step's rows; capture this step's if ``enabled``."""
         self._vs, self._us, self._calls, self.rows = [], {}, 0, []
         self.enabled = enabled
 
-    def _forward(self, module: nn.Module, inputs, output) -> None:
-        x = inputs[0]
+    def _capturing(self, x: torch.Tensor, grad_flows: bool) -> Optional[int]:
+        """Count the call's rows; if its factors are wanted, keep v and return the call number."""
+        module = self.layer.module
         n = module.weight.shape[1]
         self.rows.append(x.numel() // n)
         # A call under torch.no_grad, or with the weight frozen for this step, adds no gradient.
-        if not self.enabled or not output.requires_grad or not module.weight.requires_grad:
-            return
+        if not self.enabled or not grad_flows or not module.weight.requires_grad:
+            return None
         call = self._calls
         self._calls += 1
         self._vs.append(x.detach().reshape(-1, n))
-        m = module.weight.shape[0]
+        return call
 
-        def grad_hook(g: torch.Tensor) -> None:
-            with self._lock:
-                self._us[call] = g.detach().reshape(-1, m)
-                done = len(self._us) == self._calls
-            if done:
-                self.on_ready(self.layer)
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        module = self.layer.module
+        call = self._capturing(x, torch.is_grad_enabled())
+        if call is None:
+            return F.linear(x, module.weight, module.bias)
+        return _FactoredLinear.apply(x, module.weight, module.bias, self, call)
 
-        output.register_hook(grad_hook)
+    def _hooked(self, module: nn.Module, inputs, output) -> None:
+        call = self._capturing(inputs[0], output.requires_grad)
+        if call is not None:
+            output.register_hook(lambda g: self.keep_u(call, g))
+
+    def keep_u(self, call: int, g: torch.Tensor) -> None:
+        """The backward reached call ``call``: keep its output-gradient rows (compute thread)."""
+        with self._lock:
+            self._us[call] = g.detach().reshape(-1, self.layer.module.weight.shape[0])
+            done = len(self._us) == self._calls
+        if done:
+            self.on_ready(self.layer)
 
     def factors(self) -> tuple:
         """``(u, v)``: all calls' rows, contiguous float32, in call order."""
@@ -138,7 +181,10 @@ class FactorCapture:
         return self._calls > 0 and len(self._us) == self._calls
 
     def remove(self) -> None:
-        self._handle.remove()
+        if self._replaced:
+            del self.layer.module.forward
+        elif self._handle is not None:
+            self._handle.remove()
 
 
 class GradReady:

@@ -41,7 +41,22 @@ from ..errors import CheckpointError, ConfigError
 from ..net import NetConfig, Shaper, ShaperConfig
 from ..net.credentials import config_from_env
 from ..ps import PSConfig, PSNode
-from ..sync import Bucket, Merging, MergeConfig, MergeKind, MergeRuntime, Mode, PlanLayer, Scheme, SyncContext, choose_schemes, syncer_class
+from ..sync import (
+    HYBCOMM_SCHEMES,
+    Bucket,
+    Link,
+    Merging,
+    MergeConfig,
+    MergeKind,
+    MergeRuntime,
+    Mode,
+    PlanLayer,
+    Scheme,
+    SyncContext,
+    choose_schemes,
+    syncer_class,
+)
+from ..sync.runtime import calibrate, link_of
 from ..sync import broadcast
 from . import checkpoint
 from .layers import FactorCapture, GradReady, Layer, discover
@@ -119,8 +134,12 @@ class Trainer:
             your optimizer then steps only the other layers, and merging is off.
         net: connection settings; by default the token (and TLS files) come from the environment
             (``POSEIDON_TOKEN`` / ``POSEIDON_TOKEN_FILE``, see :mod:`poseidon_aio.net.credentials`).
-        schemes: per-layer overrides, ``{"head.fc1": "ps" | "sfb" | "adam"}`` (``adam``: Project
-            Adam's scheme, factors pushed to the PS and full matrices pulled back, for comparison).
+        schemes: per-layer overrides, ``{"head.fc1": "ps" | "sfb" | "allreduce" | "adam"}``
+            (``adam``: Project Adam's scheme, factors pushed to the PS and full matrices pulled
+            back, for comparison).
+        hybcomm: the schemes mode ``poseidon`` weighs per layer, by their predicted time on the
+            link measured at start-up: PS, SFB and all-reduce by default; ``("ps", "sfb")`` is
+            the paper's HybComm.
         merge: :class:`~poseidon_aio.sync.MergeConfig` (planner, measured steps, calibration).
         bandwidth: the bandwidth manager, a :class:`~poseidon_aio.net.ShaperConfig` for all of
             this process's connections together (outbound bytes/s, a per-message start-up).
@@ -150,6 +169,7 @@ class Trainer:
         ps: Optional[PSConfig] = None,
         net: Optional[NetConfig] = None,
         schemes: Optional[dict] = None,
+        hybcomm=HYBCOMM_SCHEMES,
         merge: Optional[MergeConfig] = None,
         bandwidth: Optional[ShaperConfig] = None,
         trace: Optional[TraceConfig] = None,
@@ -189,6 +209,10 @@ class Trainer:
         self.ps_config = ps
         self.net = net
         self.overrides = dict(schemes or {})
+        try:
+            self.hybcomm = tuple(Scheme(c) for c in hybcomm)
+        except ValueError:
+            raise ConfigError(f"hybcomm names a scheme that does not exist: {list(hybcomm)}; known: {[s.value for s in Scheme]}") from None
         self.merge = merge
         self.broadcast_buffers = broadcast_buffers
         self.tracer = Tracer(trace or TraceConfig())
@@ -207,10 +231,11 @@ class Trainer:
         self.schemes: dict = {}  # layer index -> Scheme
         self.staging = Staging()
         self._gpu = any(self.staging.staged(p) for _, p in self._named)
-        self._syncers: dict = {}  # Scheme -> Syncer (the PS one wrapped in Merging)
+        self._syncers: dict = {}  # Scheme -> Syncer (a mergeable one wrapped in Merging)
         self._job: Optional[Job] = None
         self._node: Optional[PSNode] = None
-        self._runtime: Optional[MergeRuntime] = None
+        self._runtimes: dict = {}  # mergeable Scheme -> MergeRuntime, while measuring
+        self._calibration: list = []
         self._ready: dict = {}
         self._captures: dict = {}
         self._events: dict = {}  # manifest index -> CUDA event of its gradient (GPU models)
@@ -280,9 +305,9 @@ class Trainer:
             self._ready[layer.index] = GradReady(layer, self._on_ready_threadsafe)
             if layer.factorable:
                 self._captures[layer.index] = FactorCapture(layer, self._on_ready_threadsafe)
-        if self.merge.planned and self.world > 1:
-            self._runtime = MergeRuntime(self.merge, self.rank, self.world, self.ps_config.shards_for(self.world))
-            await self._runtime.calibrate(self._job.peers, self.ps_config.sync_timeout)  # while the links are idle
+        if self.world > 1 and (self.merge.planned or self.mode is Mode.POSEIDON):
+            # alpha and beta for HybComm and the merge planner, while the links are idle
+            self._calibration = await calibrate(self.rank, self.world, self._job.peers, self.merge.calibration_sizes, self.ps_config.sync_timeout)
         self._started = True
 
     async def close(self, failed: bool = False) -> None:
@@ -331,14 +356,13 @@ class Trainer:
             raise ConfigError("save(keep=...) must keep at least the checkpoint it writes")
         await self._drain()
         shard = self._node.shard if self._node is not None else None
-        merging = self._syncers.get(Scheme.PS)
         state = {
             "clock": self.clock,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "rng": torch.get_rng_state(),
             "schemes": {layer.name: self.schemes[layer.index].value for layer in self.layers if layer.index in self.schemes},
-            "groups": self.merge_groups if isinstance(merging, Merging) else [],
+            "groups": {scheme.value: [[self.layers[i].name for i in g] for g in syncer.groups] for scheme, syncer in self._syncers.items() if isinstance(syncer, Merging)},
             "merge_info": json.dumps(self.merge_info),
             # The snapshot is taken before the barrier below, so no rank can push the next clock
             # into this shard before its state is copied.
@@ -434,10 +458,10 @@ class Trainer:
         for scheme, n in state.bytes.items():
             self.bytes_total[scheme] = self.bytes_total.get(scheme, 0) + n
         self.clock += 1
-        if self._runtime is not None and self._runtime.measuring(t) and len(self._ps_layers()) > 1:
+        if self._runtimes and any(r.measuring(t) for r in self._runtimes.values()):
             self._measure(state)
-            if self._runtime.due(t):
-                await self._replan()  # the new parameter server starts at the next clock
+            if any(r.due(t) for r in self._runtimes.values()):
+                await self._replan()  # the new syncers (and parameter server) start at the next clock
         self.tracer.step(t, state.started, state.compute_end, state.spans, done)
         return StepStats(
             clock=t,
@@ -500,8 +524,10 @@ class Trainer:
         """The layer's buffers as its scheme moves them: host views on CPU, staged copies on a GPU."""
         params = [p for _, p in layer.params]
         priority = layer.index  # nearest the input first: it gates the next forward
-        on_ps = syncer_class(scheme).on_ps
-        outs = [self.staging.landing(("agg", i), state.agg[i]) if on_ps else state.agg[i] for i in layer.param_ids]
+        if syncer_class(scheme).host_outs:  # the wire writes host memory
+            outs = [self.staging.landing(("agg", i), state.agg[i]) for i in layer.param_ids]
+        else:  # a kernel writes the (device) tensors itself
+            outs = [state.agg[i] for i in layer.param_ids]
         if syncer_class(scheme).captures_factors:
             cap = self._captures[layer.index]
             m, n = layer.module.weight.shape
@@ -540,7 +566,7 @@ class Trainer:
         # would in one process; every rank sees the same aggregate, so every rank decides alike.
         # A parameter frozen for this step (requires_grad off) gets no gradient either.
         for layer in self.layers:
-            if syncer_class(self.schemes[layer.index]).on_ps:
+            if syncer_class(self.schemes[layer.index]).host_outs:
                 for i in layer.param_ids:
                     self.staging.to_device(("agg", i), state.agg[i])
         self.staging.wait()
@@ -569,55 +595,85 @@ class Trainer:
             k = {name: max(json.loads(seen[r]).get(name, 0) for r in seen) for name in rows}
             plan_layers = [PlanLayer(layer.shape(), layer.factorable) for layer in self.layers]
             by_name = choose_schemes(
-                plan_layers, k, mode=self.mode, workers=self.world, shards=self.ps_config.shards_for(self.world), overrides=self.overrides
+                plan_layers, k, mode=self.mode, workers=self.world, shards=self.ps_config.shards_for(self.world),
+                overrides=self.overrides, link=await self._agreed_link(), candidates=self.hybcomm,
+                chunk_bytes=self.ps_config.chunk_bytes,
             )
         self.schemes = {layer.index: Scheme(by_name[layer.name]) for layer in self.layers}
         plan = json.dumps({layer.name: self.schemes[layer.index].value for layer in self.layers})
         await self._job.rendezvous.check_digest("scheme plan", plan)
-        groups = [[layer.index] for layer in self._ps_layers()]
-        if self.merge.kind is MergeKind.SINGLE and groups:
-            groups = [[i for g in groups for i in g]]
-        saved = (self._restored or {}).get("groups")
-        if saved and self.merge.kind is not MergeKind.NONE:  # the merge plan in force when the checkpoint was taken
-            by_layer = {layer.name: layer.index for layer in self._ps_layers()}
-            if sorted(n for g in saved for n in g) != sorted(by_layer):
-                raise CheckpointError(f"rank {self.rank}: the checkpoint's merge plan names other layers than this model syncs by PS")
-            groups = [[by_layer[n] for n in g] for g in saved]
+        groups = {}
+        for scheme in self._mergeable():
+            groups[scheme] = [[layer.index] for layer in self._layers_of(scheme)]
+            if self.merge.kind is MergeKind.SINGLE:
+                groups[scheme] = [[i for g in groups[scheme] for i in g]]
+        saved = (self._restored or {}).get("groups") or {}
+        for scheme in self._mergeable():  # the merge plans in force when the checkpoint was taken
+            if saved.get(scheme.value):
+                by_layer = {layer.name: layer.index for layer in self._layers_of(scheme)}
+                if sorted(n for g in saved[scheme.value] for n in g) != sorted(by_layer):
+                    raise CheckpointError(f"rank {self.rank}: the checkpoint's {scheme.value} merge plan names other layers than this model syncs by {scheme.value}")
+                groups[scheme] = [[by_layer[n] for n in g] for g in saved[scheme.value]]
         if self.ps_config.server_sgd is not None:
-            self._server_owned = {i for layer in self._ps_layers() for i in layer.param_ids}
+            self._server_owned = {i for layer in self._layers_of(Scheme.PS) for i in layer.param_ids}
         await self._build_syncers(groups)
+        if self.merge.planned and self.world > 1:
+            shards = self.ps_config.shards_for(self.world)
+            self._runtimes = {
+                scheme: MergeRuntime(self.merge, self.rank, self.world, shards, scheme, self._calibration)
+                for scheme in self._mergeable() if len(self._layers_of(scheme)) > 1 and not saved.get(scheme.value)
+            }
         self._planned = True
         log.info("rank %d: schemes %s", self.rank, plan)
 
+    async def _agreed_link(self) -> Link:
+        """Rank 0's measured alpha and beta, on every rank: each rank measures its own, and one
+        plan needs one link."""
+        if self.rank == 0:
+            link = link_of(self._calibration)
+            await self._job.rendezvous.publish("hybcomm-link", json.dumps([link.alpha, link.beta]))
+        alpha, beta = json.loads(await self._job.rendezvous.read("hybcomm-link", who="rank 0"))
+        return Link(alpha, beta)
+
     @property
     def merge_groups(self) -> list:
-        """The parameter-server layers' messages in force: lists of layer names, model order."""
-        ps = self._syncers.get(Scheme.PS)
-        if isinstance(ps, Merging):
-            return [[self.layers[i].name for i in g] for g in ps.groups]
-        return [[layer.name] for layer in self._ps_layers()] if self._planned else []
+        """The messages of mergeable schemes in force: lists of layer names, model order."""
+        out = []
+        for scheme in self._mergeable():
+            syncer = self._syncers.get(scheme)
+            if isinstance(syncer, Merging):
+                out += [[self.layers[i].name for i in g] for g in syncer.groups]
+            else:
+                out += [[layer.name] for layer in self._layers_of(scheme)]
+        return out
 
-    def _ps_layers(self) -> list:
-        """Layers whose gradients the parameter server aggregates (merging applies to these)."""
-        return [layer for layer in self.layers if self.schemes[layer.index] is Scheme.PS]
+    def _layers_of(self, scheme: Scheme) -> list:
+        return [layer for layer in self.layers if self.schemes[layer.index] is scheme]
 
-    async def _build_syncers(self, groups: list) -> None:
-        """One syncer per scheme in use; the parameter server (re)started with one message per
-        merge group and shard when a scheme keeps layers there."""
+    def _mergeable(self) -> list:
+        """The mergeable schemes in use, in a fixed order (every rank the same)."""
+        used = {self.schemes[layer.index] for layer in self.layers}
+        return [s for s in Scheme if s in used and syncer_class(s).mergeable]
+
+    async def _build_syncers(self, groups: dict) -> None:
+        """One syncer per scheme in use, each mergeable one wrapped in :class:`Merging` with its
+        groups; the parameter server (re)started with one message per PS group and shard when a
+        scheme keeps layers there."""
         used = {self.schemes[layer.index] for layer in self.layers}
         on_ps = [layer for layer in self.layers if syncer_class(self.schemes[layer.index]).on_ps]
         # Plain-PS layers first, so any run of them a merge plan groups is consecutive in the manifest.
         on_ps.sort(key=lambda layer: (syncer_class(self.schemes[layer.index]).factored, layer.index))
         ps_index = {i: j for j, i in enumerate(i for layer in on_ps for i in layer.param_ids)}
         if on_ps:
-            await self._start_ps(on_ps, ps_index, groups)
+            await self._start_ps(on_ps, ps_index, groups.get(Scheme.PS, []))
         ctx = SyncContext(
             self.rank, self.world, self._job.peers, self.ps_config.sync_timeout, node=self._node, ps_index=ps_index,
-            reconstruct=kernels.reconstruct, executor=self._reduce,
+            reconstruct=kernels.reconstruct, executor=self._reduce, chunk_bytes=self.ps_config.chunk_bytes,
         )
         self._syncers = {scheme: syncer_class(scheme).build(ctx) for scheme in used}
-        if Scheme.PS in self._syncers and self.merge.kind is not MergeKind.NONE:
-            self._syncers[Scheme.PS] = Merging(self._syncers[Scheme.PS], groups)
+        if self.merge.kind is not MergeKind.NONE:
+            for scheme, scheme_groups in groups.items():
+                self._syncers[scheme] = Merging(self._syncers[scheme], scheme_groups)
 
     async def _start_ps(self, on_ps: list, ps_index: dict, groups: list) -> None:
         names = [[n for i in g for n, _ in self.layers[i].params] for g in groups if len(g) > 1]
@@ -670,27 +726,41 @@ class Trainer:
     # -- MG-WFBP ----------------------------------------------------------------------------
 
     def _measure(self, state: _Step) -> None:
-        layers = [layer.index for layer in self._ps_layers()]
-        spans = [(s.start, s.end) for s in state.spans if s.scheme is Scheme.PS and s.end]
-        nbytes = sum(p.numel() * p.element_size() for i in layers for _, p in self.layers[i].params)
-        self._runtime.record(state.forward_end - state.started, state.forward_end, state.ready_at, layers, spans, nbytes)
+        for scheme, runtime in self._runtimes.items():
+            layers = [layer.index for layer in self._layers_of(scheme)]
+            spans = [(s.start, s.end) for s in state.spans if s.scheme is scheme and s.end]
+            nbytes = sum(p.numel() * p.element_size() for i in layers for _, p in self.layers[i].params)
+            runtime.record(state.forward_end - state.started, state.forward_end, state.ready_at, layers, spans, nbytes)
 
     async def _replan(self) -> None:
-        """Adopt the merge plan every rank agreed on: the parameter server restarts with it."""
-        ps_layers = self._ps_layers()
-        sizes = [sum(p.numel() * p.element_size() for _, p in layer.params) for layer in ps_layers]
-        info = await self._runtime.agree(self._job.rendezvous, self._generation, [layer.index for layer in ps_layers], [layer.name for layer in ps_layers], sizes)
-        by_name = {layer.name: layer.index for layer in ps_layers}
-        # Layers 1..L run from the input: group members are listed input side first; keep the
-        # model's order inside each group.
-        groups = [sorted(by_name[n] for n in group) for group in info["groups"]]
+        """Adopt the merge plans every rank agreed on: the syncers (and the parameter server)
+        restart with them."""
+        groups, infos = {}, {}
+        for scheme in self._mergeable():
+            layers = self._layers_of(scheme)
+            runtime = self._runtimes.get(scheme)
+            if runtime is None:
+                syncer = self._syncers[scheme]
+                groups[scheme] = syncer.groups if isinstance(syncer, Merging) else [[layer.index] for layer in layers]
+                continue
+            sizes = [sum(p.numel() * p.element_size() for _, p in layer.params) for layer in layers]
+            info = await runtime.agree(self._job.rendezvous, self._generation, [layer.index for layer in layers], [layer.name for layer in layers], sizes)
+            by_name = {layer.name: layer.index for layer in layers}
+            # Layers 1..L run from the input: group members are listed input side first; keep the
+            # model's order inside each group.
+            groups[scheme] = [sorted(by_name[n] for n in group) for group in info["groups"]]
+            infos[scheme.value] = info
+        self._runtimes = {}
         await self._drain()
         self._count_shard_bytes(self.bytes_total)
         await self._close_ps()
         self._generation += 1
         await self._build_syncers(groups)
-        self.merge_info = info
-        log.info("rank %d: merge plan %s", self.rank, info["groups"])
+        # The plan of the scheme with the most layers leads (``merge_info`` of a PS-only model is
+        # the PS plan, as before); every scheme's is kept under its name.
+        lead = max(infos, key=lambda name: len(infos[name]["groups"]), default=None)
+        self.merge_info = {**(infos[lead] if lead else {}), "schemes": infos}
+        log.info("rank %d: merge plans %s", self.rank, {k: v["groups"] for k, v in infos.items()})
 
     # -- broadcast --------------------------------------------------------------------------
 
