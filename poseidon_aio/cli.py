@@ -84,10 +84,19 @@ def _shard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rate(text: str) -> float:
+    """Bytes per second from ``"1gbit"``, ``"100mbit"``, ``"10gbit"`` or a number of bytes/s."""
+    units = {"gbit": 1e9 / 8, "mbit": 1e6 / 8, "kbit": 1e3 / 8}
+    for unit, scale in units.items():
+        if text.lower().endswith(unit):
+            return float(text[: -len(unit)]) * scale
+    return float(text)
+
+
 def _explain(args: argparse.Namespace) -> int:
     import json
 
-    from .sync.cost import LayerShape, Scheme, best_scheme, layer_cost, layers_of_manifest
+    from .sync.cost import Link, LayerShape, Scheme, best_scheme, hybcomm_choice, layer_cost, layers_of_manifest, predicted_time
 
     layers = []
     if args.model:
@@ -104,18 +113,28 @@ def _explain(args: argparse.Namespace) -> int:
     if not layers:
         print("give --model or one or more --fc MxN", file=sys.stderr)
         return 2
+    try:
+        candidates = tuple(Scheme(s) for s in args.schemes.split(","))
+        link = Link.of_bandwidth(_rate(args.bandwidth), args.alpha * 1e-6) if args.bandwidth else Link(args.alpha * 1e-6, 1.0)
+    except ValueError as exc:
+        print(f"explain: {exc}", file=sys.stderr)
+        return 2
     servers = args.servers or args.workers
-    rows, totals = [], {k: 0.0 for k in ("ps_worker", "ps_combined", "sfb", "adam", "chosen", "cluster_ps", "cluster_sfb", "cluster_adam")}
+    keys = ("ps_worker", "ps_combined", "sfb", "adam", "allreduce", "chosen", "hybcomm_floats", "cluster_ps", "cluster_sfb", "cluster_adam")
+    rows, totals = [], {k: 0.0 for k in keys}
     for layer in layers:
         cost = layer_cost(layer, args.workers, servers)
         choice = best_scheme(layer, args.workers, servers)
-        chosen = cost.sfb if choice is Scheme.SFB else cost.ps_combined
+        hybrid = hybcomm_choice(layer, args.workers, servers, link=link, candidates=candidates)
+        floats = {Scheme.PS: cost.ps_combined, Scheme.SFB: cost.sfb, Scheme.ALLREDUCE: cost.allreduce}
         fc = layer.kind == "fc"
         row = {
-            "name": layer.name, "kind": layer.kind, "shape": [layer.m, layer.n] if fc else [layer.params],
+            "name": layer.name, "kind": layer.kind.value, "shape": [layer.m, layer.n] if fc else [layer.params],
             "K": layer.rows if fc else None, "ps_worker": cost.ps_worker, "ps_combined": cost.ps_combined,
-            "sfb": cost.sfb if fc else None, "adam": cost.adam if fc else None, "choice": choice.value,
-            "chosen": chosen, "cluster_ps": cost.cluster_ps,
+            "sfb": cost.sfb if fc else None, "adam": cost.adam if fc else None, "allreduce": cost.allreduce,
+            "choice": choice.value, "chosen": floats[choice], "hybcomm": hybrid.value, "hybcomm_floats": floats[hybrid],
+            "predicted_s": {c.value: predicted_time(layer, c, args.workers, servers, link) for c in candidates},
+            "cluster_ps": cost.cluster_ps,
             "cluster_sfb": cost.cluster_sfb if fc else None, "cluster_adam": cost.cluster_adam if fc else None,
         }
         rows.append(row)
@@ -123,19 +142,29 @@ def _explain(args: argparse.Namespace) -> int:
             value = row[key] if row.get(key) is not None else row["cluster_ps" if key.startswith("cluster") else "ps_combined"]
             totals[key] += value
     if args.json:
-        print(json.dumps({"workers": args.workers, "servers": servers, "batch": args.batch, "layers": rows, "totals": totals}))
+        out = {"workers": args.workers, "servers": servers, "batch": args.batch, "alpha_s": link.alpha, "beta_s_per_byte": link.beta,
+               "schemes": [c.value for c in candidates], "layers": rows, "totals": totals}
+        print(json.dumps(out))
         return 0
     mf = lambda x: "-" if x is None else f"{x / 1e6:.2f}"  # noqa: E731
-    print(f"floats per worker node, millions (P1={args.workers} workers, P2={servers} shards, K={args.batch} rows)")
-    print(f"{'layer':<24} {'kind':<5} {'shape':<14} {'K':>5} {'PS worker':>10} {'PS w+s':>10} {'SFB':>10} {'Adam':>10}  choice")
+    print(f"floats per worker node, in and out, millions (P1={args.workers} workers, P2={servers} shards, K={args.batch} rows)")
+    print(f"{'layer':<24} {'kind':<5} {'shape':<14} {'K':>5} {'PS worker':>10} {'PS w+s':>10} {'SFB':>10} {'Adam':>10} {'all-red.':>10}  paper  hybcomm")
     for r in rows:
         shape = "x".join(map(str, r["shape"]))
-        print(f"{r['name'][:24]:<24} {r['kind']:<5} {shape:<14} {r['K'] or '-':>5} {mf(r['ps_worker']):>10} {mf(r['ps_combined']):>10} {mf(r['sfb']):>10} {mf(r['adam']):>10}  {r['choice']}")
-    print(f"{'total':<24} {'':<5} {'':<14} {'':>5} {mf(totals['ps_worker']):>10} {mf(totals['ps_combined']):>10} {mf(totals['sfb']):>10} {mf(totals['adam']):>10}  hybrid {mf(totals['chosen'])}")
+        print(
+            f"{r['name'][:24]:<24} {r['kind']:<5} {shape:<14} {r['K'] or '-':>5} {mf(r['ps_worker']):>10} {mf(r['ps_combined']):>10} "
+            f"{mf(r['sfb']):>10} {mf(r['adam']):>10} {mf(r['allreduce']):>10}  {r['choice']:<6} {r['hybcomm']}"
+        )
+    print(
+        f"{'total':<24} {'':<5} {'':<14} {'':>5} {mf(totals['ps_worker']):>10} {mf(totals['ps_combined']):>10} {mf(totals['sfb']):>10} "
+        f"{mf(totals['adam']):>10} {mf(totals['allreduce']):>10}  paper's hybrid {mf(totals['chosen'])}, hybcomm {mf(totals['hybcomm_floats'])}"
+    )
     print(
         f"cluster totals per iteration (2015 paper's accounting), millions: full-matrix PS {mf(totals['cluster_ps'])}, "
         f"SFB {mf(totals['cluster_sfb'])}, Adam {mf(totals['cluster_adam'])} (non-FC layers counted as PS in the last two)"
     )
+    what = f"{args.bandwidth} links, alpha {args.alpha:g} us" if args.bandwidth else "bytes only (give --bandwidth and --alpha for times)"
+    print(f"hybcomm: the least predicted time among {', '.join(c.value for c in candidates)} on {what}; ties go to the paper's choice")
     return 0
 
 
@@ -218,6 +247,9 @@ def main(argv=None) -> int:
     explain.add_argument("--workers", type=int, default=8)
     explain.add_argument("--servers", type=int, help="parameter-server shards (default: one per worker)")
     explain.add_argument("--batch", type=int, default=32, help="K, rows per worker")
+    explain.add_argument("--bandwidth", help="each worker's link, e.g. 1gbit, 100mbit or bytes/s (default: compare bytes)")
+    explain.add_argument("--alpha", type=float, default=0.0, help="start-up per round of messages, microseconds")
+    explain.add_argument("--schemes", default="ps,sfb,allreduce", help="what HybComm weighs (the paper's: ps,sfb)")
     explain.add_argument("--json", action="store_true")
     explain.set_defaults(func=_explain)
     runner = sub.add_parser("run", help="start N local workers of a script (a thin wrapper over torchrun)")

@@ -39,6 +39,18 @@ def test_explain_a_preset_keeps_convolutions_on_the_ps():
     assert cli("explain").returncode == 2
 
 
+def test_explain_weighs_all_reduce_with_the_link_and_keeps_the_paper_s_choice():
+    out = json.loads(cli("explain", "--model", "vgg19", "--workers", "8", "--batch", "32", "--bandwidth", "1gbit", "--alpha", "100", "--json").stdout)
+    rows = {row["name"]: row for row in out["layers"]}
+    # 4 M floats in and out for a 1 M-float layer on 8 workers: 2 M each way, a ring's bytes.
+    assert all(abs(r["allreduce"] - 4 * r["ps_worker"] / 2 * 7 / 8) < 1 for r in rows.values())
+    assert {r["hybcomm"] for r in rows.values() if r["kind"] == "conv"} <= {"allreduce", "ps"}
+    assert "allreduce" in {r["hybcomm"] for r in rows.values()}
+    assert all(r["hybcomm"] == min(r["predicted_s"], key=r["predicted_s"].get) or r["hybcomm"] == r["choice"] for r in rows.values())
+    paper = json.loads(cli("explain", "--model", "vgg19", "--workers", "8", "--schemes", "ps,sfb", "--json").stdout)
+    assert all(r["hybcomm"] == r["choice"] for r in paper["layers"])  # the paper's HybComm, reachable
+
+
 @pytest.mark.slow
 def test_the_main_job_runs_through_poseidon_aio_run_over_tls_with_one_trace(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

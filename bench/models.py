@@ -1,0 +1,218 @@
+"""The bench's models, real and replayed.
+
+* ``fc``: an FC-heavy MLP, 1024 -> 2048 -> 2048 -> 2048 -> 10 (12.6 M parameters), K = 32 rows.
+* ``cnn``: a small CNN, three 3x3 convolutions with 2x2 pooling (32-64-64 channels) on 32x32
+  images and an FC classifier (0.07 M parameters).
+* ``resnet``: a ResNet-20-style CNN with batch norm: a 16-channel stem and three stages of two
+  basic blocks (16, 32, 64 channels), global pooling, an FC head (0.27 M parameters).
+* ``transformer``: a two-block transformer encoder on token sequences: an embedding (1000 x 128),
+  per block LayerNorm, a QKV and an output projection, a 128 -> 512 -> 128 MLP (Linear layers on
+  3-D inputs: K = batch x sequence rows), and a vocabulary head (0.66 M parameters).
+
+``replay(model, batch, tflops)`` keeps a model's parameters, shapes and autograd graph but
+replaces the compute of every layer that owns parameters by a sleep for its FLOPs at ``tflops``
+(forward 1x, backward 2x: the input's and the weight's gradient), measured once on a real
+forward. A replayed layer's weight gradient is a fixed random tensor. Layers the trainer syncs by
+sufficient factors compute no weight gradient (``train.layers``): ``skip_weight_grad(model,
+names)`` makes their replayed backward 1x. What is not a layer (activations, attention's softmax
+and matmuls, pooling) still runs for real, on zeros.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROWS = 32
+FC_DIMS = [1024, 2048, 2048, 2048, 10]
+
+
+class Block(nn.Module):
+    """A ResNet basic block: two 3x3 convolutions with batch norm, a projection when the shape changes."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.short = None
+        if stride != 1 or c_in != c_out:
+            self.short = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)))
+        h = self.bn2(self.conv2(h))
+        return F.relu(h + (x if self.short is None else self.short(x)))
+
+
+class ResNet(nn.Module):
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, 1, 1, bias=False)
+        self.bn = nn.BatchNorm2d(16)
+        blocks, c = [], 16
+        for width, stride in ((16, 1), (32, 2), (64, 2)):
+            blocks += [Block(c, width, stride), Block(width, width, 1)]
+            c = width
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(64, classes)
+
+    def forward(self, x):
+        h = self.blocks(F.relu(self.bn(self.stem(x))))
+        return self.head(h.mean(dim=(2, 3)))
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        w = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d // self.heads), dim=-1)
+        return self.out((w @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d, heads)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Transformer(nn.Module):
+    def __init__(self, vocab: int = 1000, d: int = 128, heads: int = 4, blocks: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.Sequential(*[EncoderBlock(d, heads) for _ in range(blocks)])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.ln(self.blocks(self.embed(tokens))))
+
+
+def build(name: str, seed: int = 0):
+    """``(model, (inputs, targets), loss_fn)`` for one worker's batch."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    if name == "fc":
+        layers = []
+        for i in range(len(FC_DIMS) - 1):
+            layers += [nn.Linear(FC_DIMS[i], FC_DIMS[i + 1]), nn.ReLU()]
+        return nn.Sequential(*layers[:-1]), (torch.randn(ROWS, FC_DIMS[0], generator=g), torch.randint(0, 10, (ROWS,), generator=g)), F.cross_entropy
+    if name == "cnn":
+        layers = []
+        for a, b in ((3, 32), (32, 64), (64, 64)):
+            layers += [nn.Conv2d(a, b, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+        model = nn.Sequential(*layers, nn.Flatten(), nn.Linear(64 * 4 * 4, 10))
+        return model, (torch.randn(ROWS, 3, 32, 32, generator=g), torch.randint(0, 10, (ROWS,), generator=g)), F.cross_entropy
+    if name == "resnet":
+        return ResNet(), (torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)), F.cross_entropy
+    if name == "transformer":
+        tokens = torch.randint(0, 1000, (8, 32), generator=g)
+
+        def lm_loss(logits, targets):
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+        return Transformer(), (tokens, torch.roll(tokens, -1, dims=1)), lm_loss
+    raise ValueError(f"unknown model {name!r}")
+
+
+# -- replay -----------------------------------------------------------------------------------
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, layer, *params):
+        ctx.layer, ctx.x_shape, ctx.x_dtype = layer, x.shape, x.dtype
+        time.sleep(layer.replay_fwd_s)
+        return layer.replay_out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        layer = ctx.layer
+        time.sleep(layer.replay_fwd_s * (1 if layer.replay_skip_weight_grad else 2))
+        grad_x = torch.zeros(ctx.x_shape, dtype=ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        return (grad_x, None, *layer.replay_grads)
+
+
+def _flops(module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> float:
+    if isinstance(module, nn.Linear):
+        return 2.0 * (x.numel() // module.in_features) * module.in_features * module.out_features
+    if isinstance(module, nn.Conv2d):
+        k = module.kernel_size[0] * module.kernel_size[1] * module.in_channels // module.groups
+        return 2.0 * out.numel() * k
+    return 8.0 * out.numel()  # norms, embeddings: a few operations per output element
+
+
+def replay(model: nn.Module, batch, tflops: float) -> nn.Module:
+    """Replace the compute of every layer that owns parameters by a sleep at ``tflops``."""
+    owners = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    seen = {}
+
+    def record(module, inputs, output):
+        seen[module] = (inputs[0], output)
+
+    handles = [m.register_forward_hook(record) for m in owners]
+    with torch.no_grad():
+        model(batch[0])
+    for h in handles:
+        h.remove()
+    for m in owners:
+        x, out = seen[m]
+        params = list(m.parameters(recurse=False))
+        m.replay_fwd_s = _flops(m, x, out) / (tflops * 1e12)
+        m.replay_out = torch.zeros_like(out)
+        m.replay_grads = [torch.randn_like(p) * 1e-3 for p in params]
+        m.replay_skip_weight_grad = False
+        # A subclass with its own forward: the trainer then sees a layer with custom compute.
+        m.__class__ = type(f"Replayed{type(m).__name__}", (type(m),), {"forward": lambda self, x, *a, **k: _Replay.apply(x, self, *self.parameters(recurse=False))})
+    return model
+
+
+def skip_weight_grad(model: nn.Module, names) -> None:
+    """Replay the backward of layers ``names`` (synced by sufficient factors) without a weight gradient."""
+    wanted = set(names)
+    for name, module in model.named_modules():
+        if name in wanted and hasattr(module, "replay_skip_weight_grad"):
+            module.replay_skip_weight_grad = True
+
+
+def compute_saved_by_factors(repeats: int = 20) -> dict:
+    """Forward + backward of the FC model on this CPU with autograd's weight gradients for its
+    SFB layers (plain nn.Linear) against the trainer's factored backward (none)."""
+    import statistics
+
+    from poseidon_aio.train.layers import FactorCapture, discover
+
+    torch.set_num_threads(1)
+    timings = {}
+    for label in ("autograd", "factored"):
+        model, (x, y), loss_fn = build("fc")
+        caps = [FactorCapture(layer, lambda _: None) for layer in discover(model)[:3]] if label == "factored" else []
+        times = []
+        for _ in range(repeats):
+            for c in caps:
+                c.reset(True)
+            started = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+            times.append(time.perf_counter() - started)
+        timings[label] = statistics.median(times)
+    return timings
