@@ -11,3 +11,49 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def launch(module: str, world: int, cfg: dict, *, namespaces=None, timeout: float = 900, what: str = "") -> list:
+    """Run ``python -m <module> --worker <cfg>`` as ``world`` ranks of one job (each in its
+    namespace when given, as ``ip netns exec`` does), and return each rank's JSON result.
+
+    Every rank gets the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, the
+    job's token) and ``cfg`` plus ``rank``, ``world`` and ``out`` (the file it writes its result to).
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    port = free_port()
+    master = "10.77.0.1" if namespaces else "127.0.0.1"
+    tmp = tempfile.mkdtemp(prefix="bench-")
+    procs, outs = [], []
+    for rank in range(world):
+        out = os.path.join(tmp, f"rank{rank}.json")
+        outs.append(out)
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": master, "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "POSEIDON_TOKEN": BENCH_TOKEN,
+               "GLOO_SOCKET_IFNAME": "eth0" if namespaces else "lo", "PYTHONPATH": os.getcwd()}
+        command = [sys.executable, "-m", module, "--worker", json.dumps({**cfg, "rank": rank, "world": world, "out": out})]
+        if namespaces:
+            command = ["ip", "netns", "exec", namespaces[rank], *command]
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"{what or module} did not finish within {timeout} s")
+    failed = [p for p in procs if p.returncode != 0]
+    if failed:
+        raise RuntimeError(f"{what or module} failed:\n{failed[0].stderr.read()[-3000:]}")
+    results = []
+    for out in outs:
+        with open(out) as f:
+            results.append(json.load(f))
+    return results

@@ -149,6 +149,8 @@ class _Replay(torch.autograd.Function):
         layer = ctx.layer
         time.sleep(layer.replay_fwd_s * (1 if layer.replay_skip_weight_grad else 2))
         grad_x = torch.zeros(ctx.x_shape, dtype=ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        if layer.replay_skip_weight_grad:  # no weight gradient at all, as train.layers does for real
+            return (grad_x, None, *(None for _ in layer.replay_grads))
         return (grad_x, None, *layer.replay_grads)
 
 

@@ -1,9 +1,11 @@
 """Hosts for the bench: one network namespace per process on a bridge, each link capped by tc tbf.
 
-Needs root (and iproute2). Each namespace ``psdn<i>`` has ``eth0`` = 10.77.0.<i+1>/24 on a veth
-whose host end is on bridge ``psdnbr``; tbf caps both directions (egress inside the namespace =
-the process's upload, egress of the host end = its download), with the 256 KB burst a 1 Gbit tbf
-needs. Everything made here is removed by ``teardown`` (also on error).
+Needs root (and iproute2). Each namespace ``psdn<tag>_<i>`` has ``eth0`` = 10.77.0.<i+1>/24 on
+a veth whose host end is on bridge ``pb<tag>``; tbf caps both directions (egress inside the
+namespace = the process's upload, egress of the host end = its download), with the 256 KB burst
+a 1 Gbit tbf needs. ``tag`` is this process's id, so two benches on one machine never touch each
+other's hosts (their subnets are the same, on separate bridges). Everything made here is removed
+by ``teardown`` (also on error).
 """
 
 from __future__ import annotations
@@ -13,8 +15,16 @@ import shutil
 import subprocess
 from contextlib import contextmanager
 
-BRIDGE = "psdnbr"
 SUBNET = "10.77.0"
+TAG = os.getpid() % 100_000
+
+
+def _names(i: int) -> tuple:
+    """(namespace, host end of its veth); interface names stay under Linux's 15 characters."""
+    return f"psdn{TAG}_{i}", f"pv{TAG}_{i}"
+
+
+BRIDGE = f"pb{TAG}"
 
 
 def available() -> tuple:
@@ -23,10 +33,11 @@ def available() -> tuple:
         return False, "not root"
     if shutil.which("ip") is None or shutil.which("tc") is None:
         return False, "iproute2 (ip, tc) missing"
-    probe = subprocess.run(["ip", "netns", "add", "psdnprobe"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return False, f"cannot create a network namespace: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", "psdnprobe"], capture_output=True)
+    probe = f"psdnprobe{TAG}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return False, f"cannot create a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return True, ""
 
 
@@ -40,9 +51,10 @@ def address(i: int) -> str:
     return f"{SUBNET}.{i + 1}"
 
 
-def teardown(n: int = 16) -> None:
+def teardown(n: int = 64) -> None:
+    """Remove this process's namespaces (their veths go with them) and its bridge."""
     for i in range(n):
-        subprocess.run(["ip", "netns", "del", f"psdn{i}"], capture_output=True)
+        subprocess.run(["ip", "netns", "del", _names(i)[0]], capture_output=True)
     subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
 
 
@@ -54,7 +66,7 @@ def hosts(n: int, rate: str):
         _sh("ip", "link", "add", BRIDGE, "type", "bridge")
         _sh("ip", "link", "set", BRIDGE, "up")
         for i in range(n):
-            ns, host_end = f"psdn{i}", f"psdnv{i}"
+            ns, host_end = _names(i)
             _sh("ip", "netns", "add", ns)
             _sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", ns)
             _sh("ip", "link", "set", host_end, "master", BRIDGE)
@@ -65,6 +77,6 @@ def hosts(n: int, rate: str):
             for where in (["tc"], ["ip", "netns", "exec", ns, "tc"]):
                 dev = host_end if len(where) == 1 else "eth0"
                 _sh(*where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms")
-        yield [f"psdn{i}" for i in range(n)]
+        yield [_names(i)[0] for i in range(n)]
     finally:
         teardown(n)

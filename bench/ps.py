@@ -5,9 +5,12 @@ Four worker processes (``--workers``) meet at one TCPStore. gloo's process group
 interleaved repeat by repeat after a barrier, after ``--warmup`` untimed rounds; a repeat's time is
 the slowest rank's, the figure the median over repeats. gloo computes the sum (then divides, to give the mean our shards return).
 
+Links: ``loopback``, and ``1gbit``: every process in its own network namespace behind tc tbf
+(both directions), gloo capped exactly like us.
+
 Cases: one 64 MiB tensor; VGG19's 38 parameter tensors (143.7 M floats, 575 MB per worker); a
-chunk-size sweep (256 KiB to 16 MiB) on the 64 MiB tensor. Then the shard-load table for VGG19:
-our ~2 MiB key-value pairs against one tensor per shard (stock TensorFlow's placement).
+chunk-size sweep (256 KiB to 16 MiB) on the 64 MiB tensor (loopback). Then the shard-load table
+for VGG19: our ~2 MiB key-value pairs against one tensor per shard (stock TensorFlow's placement).
 """
 
 from __future__ import annotations
@@ -15,32 +18,36 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import os
 import platform
 import statistics
+import sys
 import time
 
 import numpy as np
 
-from bench import BENCH_TOKEN, free_port
+from bench import launch
 
 MiB = 1 << 20
 
 
-def _cases(args) -> list:
+LINKS = {"loopback": None, "1gbit": "1gbit"}
+
+
+def _cases(args, link: str) -> list:
     from poseidon_aio.cluster.models import vgg19
 
     cases = [("64MiB", [(16 * MiB,)], 2 * MiB)]
     if not args.skip_vgg19:
-        cases.append(("vgg19", [s.shape for s in vgg19()], 2 * MiB))
-    for kib in args.sweep:
-        cases.append((f"64MiB@{kib}KiB", [(16 * MiB,)], kib * 1024))
+        cases.append(("vgg19", [list(s.shape) for s in vgg19()], 2 * MiB))
+    if link == "loopback":
+        for kib in args.sweep:
+            cases.append((f"64MiB@{kib}KiB", [(16 * MiB,)], kib * 1024))
     return cases
 
 
-def _worker(rank: int, world: int, port: int, cases: list, warmup: int, repeats: int, out) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), POSEIDON_TOKEN=BENCH_TOKEN)
+def _worker(cfg: dict) -> None:
+    rank, world, cases, warmup, repeats = cfg["rank"], cfg["world"], cfg["cases"], cfg["warmup"], cfg["repeats"]
     import torch
     import torch.distributed as dist
 
@@ -83,7 +90,11 @@ def _worker(rank: int, world: int, port: int, cases: list, warmup: int, repeats:
         await rdzv.leave()
         return results
 
-    out.put((rank, run(main())))
+    results = run(main())
+    with open(cfg["out"], "w") as f:
+        json.dump(results, f)
+    sys.stdout.flush()
+    os._exit(0)  # gloo's teardown can hang once peers are gone; the result is written
 
 
 def _gloo_mean(dist, tensors, world: int) -> None:
@@ -113,43 +124,59 @@ def shard_load_table(shards: int) -> tuple:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench ps", description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--links", default="loopback,1gbit")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--capped-repeats", type=int, default=5, help="repeats on a capped link (VGG19 takes ~7 s a round at 1 Gbit)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (TCP buffers, page faults)")
     parser.add_argument("--sweep", type=lambda s: [int(x) for x in s.split(",") if x], default=[256, 512, 1024, 2048, 4096, 8192, 16384], help="chunk sizes in KiB")
     parser.add_argument("--skip-vgg19", action="store_true")
+    parser.add_argument("--timeout", type=float, default=3600)
     args = parser.parse_args(argv)
-    cases = _cases(args)
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.workers, port, cases, args.warmup, args.repeats, out)) for r in range(args.workers)]
-    for p in procs:
-        p.start()
-    per_rank = dict(out.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join(60)
-    summary, lines = {}, [
-        f"Aggregation across {args.workers} processes, seconds (median over {args.repeats} of the slowest rank)",
-        "",
-        "| case | gloo all_reduce | ours (PS) | ours ÷ gloo |",
-        "|---|---|---|---|",
-    ]
-    for n, (name, _, _) in enumerate(cases):
-        med = {}
-        for impl in ("gloo", "ours"):
-            per_repeat = [max(per_rank[r][f"{n}:{name}"][impl][i] for r in per_rank) for i in range(args.repeats)]
-            med[impl] = statistics.median(per_repeat)
-        ratio = med["ours"] / med["gloo"]
-        summary[f"ratio_vs_gloo_{name.replace('@', '_')}"] = round(ratio, 3)
-        lines.append(f"| {name} | {med['gloo']:.3f} | {med['ours']:.3f} | {ratio:.2f} |")
+    if args.worker:
+        _worker(json.loads(args.worker))
+        return {}
+    from bench import netns
+
+    capped, why = netns.available()
+    summary, lines = {}, []
+    for link in args.links.split(","):
+        if LINKS[link] and not capped:
+            print(f"note: skipping {link}: network namespaces unavailable ({why})")
+            continue
+        cases = _cases(args, link)
+        repeats = args.capped_repeats if LINKS[link] else args.repeats
+        cfg = {"cases": cases, "warmup": args.warmup, "repeats": repeats}
+        if LINKS[link]:
+            with netns.hosts(args.workers, LINKS[link]) as names:
+                per_rank = launch("bench.ps", args.workers, cfg, namespaces=names, timeout=args.timeout, what=f"bench ps on {link}")
+        else:
+            per_rank = launch("bench.ps", args.workers, cfg, timeout=args.timeout, what=f"bench ps on {link}")
+        lines += [
+            f"Aggregation across {args.workers} processes, {link}, seconds (median over {repeats} of the slowest rank)",
+            "",
+            "| case | gloo all_reduce | ours (PS) | ours ÷ gloo |",
+            "|---|---|---|---|",
+        ]
+        for n, (name, _, _) in enumerate(cases):
+            med = {}
+            for impl in ("gloo", "ours"):
+                per_repeat = [max(r[f"{n}:{name}"][impl][i] for r in per_rank) for i in range(repeats)]
+                med[impl] = statistics.median(per_repeat)
+            ratio = med["ours"] / med["gloo"]
+            suffix = "" if link == "loopback" else f"_{link}"
+            summary[f"ratio_vs_gloo_{name.replace('@', '_')}{suffix}"] = round(ratio, 3)
+            lines.append(f"| {name} | {med['gloo']:.3f} | {med['ours']:.3f} | {ratio:.2f} |")
+        lines.append("")
     table8, mm8, tf8 = shard_load_table(8)
     print("\n".join(lines))
-    print()
     print(table8)
     result = {
         "bench": "ps",
-        "ratio_vs_gloo_64MiB": summary["ratio_vs_gloo_64MiB"],
+        "ratio_vs_gloo_64MiB": summary.get("ratio_vs_gloo_64MiB"),
+        "ratio_vs_gloo_64MiB_1gbit": summary.get("ratio_vs_gloo_64MiB_1gbit"),
+        "ratio_vs_gloo_vgg19_1gbit": summary.get("ratio_vs_gloo_vgg19_1gbit"),
         "max_over_mean_shard_bytes_vgg19_8shards": round(mm8, 4),
         "max_over_mean_one_tensor_per_shard_vgg19_8shards": round(tf8, 3),
         "workers": args.workers,
@@ -158,3 +185,7 @@ def main(argv=None) -> dict:
     }
     print(json.dumps(result))
     return result
+
+
+if __name__ == "__main__":
+    main()

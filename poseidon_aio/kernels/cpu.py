@@ -17,13 +17,13 @@ def reconstruct(us: Sequence, vs: Sequence, scale: float, out_weight: torch.Tens
     device = out_weight.device
     us = [_on(u, device) for u in us]
     vs = [_on(v, device) for v in vs]
-    u = torch.cat(us, dim=0) if len(us) > 1 else us[0]
+    # The scale goes on u (sum K rows x M) before the GEMM, not on the M x N result: one pass over
+    # a 1 MB factor instead of 16 MB of gradient for a 2048 x 2048 layer on 4 workers.
+    u = torch.cat(us, dim=0) if len(us) > 1 else us[0].clone()
+    if scale != 1.0:
+        u.mul_(scale)
     v = torch.cat(vs, dim=0) if len(vs) > 1 else vs[0]
     # One GEMM over all workers' rows: (sum K) x M transposed times (sum K) x N.
     torch.mm(u.t(), v, out=out_weight)
-    if scale != 1.0:
-        out_weight.mul_(scale)
     if out_bias is not None:
         torch.sum(u, dim=0, out=out_bias)
-        if scale != 1.0:
-            out_bias.mul_(scale)

@@ -17,14 +17,11 @@ def _cp(t):
 
 def reconstruct(us: Sequence, vs: Sequence, scale: float, out_weight: torch.Tensor, out_bias=None) -> None:
     with cupy.cuda.ExternalStream(torch.cuda.current_stream(out_weight.device).cuda_stream):
-        u = cupy.concatenate([_cp(x) for x in us], axis=0)
+        # The scale on u before the GEMM, as the torch kernel does (same rounding on every replica).
+        u = cupy.concatenate([_cp(x) for x in us], axis=0) * cupy.float32(scale)
         v = cupy.concatenate([_cp(x) for x in vs], axis=0)
         w = _cp(out_weight)
         cupy.matmul(u.T, v, out=w)
-        if scale != 1.0:
-            w *= scale
         if out_bias is not None:
             b = _cp(out_bias)
             cupy.sum(u, axis=0, out=b)
-            if scale != 1.0:
-                b *= scale

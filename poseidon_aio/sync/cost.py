@@ -150,11 +150,16 @@ class Link:
     """A worker's link as HybComm sees it: ``alpha`` seconds of start-up per message (round of
     messages), ``beta`` seconds per byte in each direction (full duplex).
 
+    ``flop`` seconds per floating-point operation of the sufficient-factor kernel as measured on
+    this device (0: compute not counted): SFB rebuilds every rank's M x N gradient from P K rows,
+    where the other schemes only need autograd's local one from K rows.
+
     ``Link()`` (alpha 0, beta 1 s/byte) compares bytes only, as the paper does.
     """
 
     alpha: float = 0.0
     beta: float = 1.0
+    flop: float = 0.0
 
     @classmethod
     def of_bandwidth(cls, bytes_per_s: float, alpha: float = 0.0) -> "Link":
@@ -168,20 +173,25 @@ def predicted_time(layer: LayerShape, scheme: Scheme, workers: int, servers: int
     so a node hosting one of them sends ``b (s - 1) / s`` of pushes and ``(P1 - 1) b / s`` of
     replies (for s = P2 = P1 = P that is Table 1's ``2b (P - 1) / P`` each way). All-reduce: two
     rounds, ``2b (P - 1) / P`` each way. SFB: one round, ``K (M + N) (P - 1)`` floats each way.
+    With ``link.flop``, an FC layer's weight gradient counts too: ``2 K M N`` FLOPs in autograd
+    for PS and all-reduce, ``2 P K M N`` in SFB's rebuild.
     """
     if workers < 2:
         return 0.0
     p1, p2 = workers, servers
     b = layer.params * itemsize
+    # The weight gradient: autograd's from K rows for a gradient scheme, the rebuild from P K
+    # rows for SFB (its layers compute none in autograd).
+    gemm = 2.0 * layer.rows * layer.m * layer.n * link.flop if layer.kind is LayerKind.FC else 0.0
     if scheme is Scheme.PS:
         s = min(p2, max(1, -(-b // chunk_bytes)))
-        return 2 * link.alpha + link.beta * b * (s - 1 + p1 - 1) / s
+        return 2 * link.alpha + link.beta * b * (s - 1 + p1 - 1) / s + gemm
     if scheme is Scheme.ALLREDUCE:
-        return 2 * link.alpha + link.beta * 2 * b * (p1 - 1) / p1
+        return 2 * link.alpha + link.beta * 2 * b * (p1 - 1) / p1 + gemm
     if scheme is Scheme.SFB:
         if layer.kind is not LayerKind.FC or not layer.rows:
             return float("inf")
-        return link.alpha + link.beta * itemsize * layer.rows * (layer.m + layer.n) * (p1 - 1)
+        return link.alpha + link.beta * itemsize * layer.rows * (layer.m + layer.n) * (p1 - 1) + p1 * gemm
     raise ConfigError(f"no time model for scheme {scheme.value!r}")
 
 

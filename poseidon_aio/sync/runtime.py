@@ -103,13 +103,14 @@ async def calibrate(rank: int, world: int, peers: Mapping[int, object], sizes: S
     return samples
 
 
-def link_of(calibration: Sequence[tuple]) -> Link:
+def link_of(calibration: Sequence[tuple], flop: float = 0.0) -> Link:
     """HybComm's link from the round trips: a round trip is two messages, one each way, so alpha
-    and beta are half its fitted start-up and per-byte cost."""
+    and beta are half its fitted start-up and per-byte cost. ``flop``: the measured seconds per
+    FLOP of the sufficient-factor kernel."""
     if len(calibration) < 2:
-        return Link()
+        return Link(flop=flop) if flop else Link()
     round_trip = fit(*zip(*calibration))
-    return Link(alpha=round_trip.a / 2, beta=max(round_trip.b / 2, 1e-12))
+    return Link(alpha=round_trip.a / 2, beta=max(round_trip.b / 2, 1e-12), flop=flop)
 
 
 class MergeRuntime:

@@ -98,7 +98,7 @@ class StepStats:
 class _Step:
     """One iteration in flight: its layer syncs and where their results land."""
 
-    __slots__ = ("clock", "syncs", "launched", "deferred", "agg", "compute_done", "started", "forward_end", "compute_end", "spans", "ready_at", "bytes", "dropped")
+    __slots__ = ("clock", "syncs", "launched", "deferred", "agg", "compute_done", "started", "forward_end", "compute_end", "spans", "ready_at", "bytes", "dropped", "unused")
 
     def __init__(self, clock: int, started: float) -> None:
         self.clock = clock
@@ -113,6 +113,7 @@ class _Step:
         self.ready_at: dict = {}  # layer index -> when its gradient (or factors) were ready
         self.bytes: dict = {}
         self.dropped: set = set()
+        self.unused: set = set()  # manifest indices this rank's backward gave no gradient
 
 
 class Trainer:
@@ -236,6 +237,7 @@ class Trainer:
         self._node: Optional[PSNode] = None
         self._runtimes: dict = {}  # mergeable Scheme -> MergeRuntime, while measuring
         self._calibration: list = []
+        self._kernel_flop = 0.0  # seconds per FLOP of the sufficient-factor kernel, measured at start
         self._ready: dict = {}
         self._captures: dict = {}
         self._events: dict = {}  # manifest index -> CUDA event of its gradient (GPU models)
@@ -246,6 +248,7 @@ class Trainer:
         self._generation = 0
         self._shard_bytes_seen = 0
         self._restored: Optional[dict] = None
+        self._agg_ring: dict = {}
         #: Payload bytes on the network per scheme since start (the shard's replies included).
         self.bytes_total: dict = {}
 
@@ -308,6 +311,8 @@ class Trainer:
         if self.world > 1 and (self.merge.planned or self.mode is Mode.POSEIDON):
             # alpha and beta for HybComm and the merge planner, while the links are idle
             self._calibration = await calibrate(self.rank, self.world, self._job.peers, self.merge.calibration_sizes, self.ps_config.sync_timeout)
+        if self.world > 1 and self.mode is Mode.POSEIDON:
+            self._kernel_flop = await self._loop.run_in_executor(self._reduce, _time_reconstruction, self.world)
         self._started = True
 
     async def close(self, failed: bool = False) -> None:
@@ -434,8 +439,7 @@ class Trainer:
             await self._plan(batch)
         t = self.clock
         state = _Step(t, time.perf_counter())
-        for i, (_, p) in enumerate(self._named):
-            state.agg[i] = torch.empty_like(p)
+        state.agg = self._aggregates(t)
         for layer in self.layers:
             captures = syncer_class(self.schemes[layer.index]).captures_factors
             self._ready[layer.index].reset(enabled=not captures)
@@ -474,6 +478,19 @@ class Trainer:
             dropped=sorted(state.dropped),
             schemes={layer.name: self.schemes[layer.index].value for layer in self.layers},
         )
+
+    def _aggregates(self, clock: int) -> dict:
+        """Where clock ``clock``'s synchronized results land: one tensor per parameter, from a ring
+        of ``staleness + 2`` sets reused clock after clock. Under SSP an older clock's results may
+        still be landing while this one runs, and each set is handed to ``param.grad`` for one
+        optimizer step; fresh tensors instead would cost a page fault (and the kernel zeroing a
+        page) per 4 KiB of the model every step: 50 MB for a 12.6 M-parameter model."""
+        ring = self.ps_config.staleness + 2
+        slot = clock % ring
+        agg = self._agg_ring.get(slot)
+        if agg is None:
+            agg = self._agg_ring[slot] = {i: torch.empty_like(p) for i, (_, p) in enumerate(self._named)}
+        return agg
 
     def _loss(self, batch) -> torch.Tensor:
         if self.batch_loss is not None:
@@ -531,12 +548,19 @@ class Trainer:
         if syncer_class(scheme).captures_factors:
             cap = self._captures[layer.index]
             m, n = layer.module.weight.shape
-            u, v = cap.factors() if cap.captured else (torch.zeros(0, m), torch.zeros(0, n))  # unused here: K = 0
+            if cap.captured:
+                u, v = cap.factors()
+            else:  # unused here: K = 0
+                u, v = torch.zeros(0, m), torch.zeros(0, n)
+                state.unused.update(layer.param_ids)
             u, v = await self._host_pair(("u", layer.index), u, ("v", layer.index), v)
             return Bucket(layer.name, [layer.index], layer.param_ids, outs, factors=(u, v), shape=(m, n), priority=priority)
         grads = []
         for i, p in zip(layer.param_ids, params):
-            g = p.grad if p.grad is not None else torch.zeros_like(p)  # an unused branch: zeros
+            g = p.grad
+            if g is None:  # an unused branch: zeros
+                g = torch.zeros_like(p)
+                state.unused.add(i)
             grads.append(await self._host(("grad", i), g.contiguous(), self._events.pop(i, None)))
         return Bucket(layer.name, [layer.index], layer.param_ids, outs, grads=grads, priority=priority)
 
@@ -560,11 +584,11 @@ class Trainer:
         await self._loop.run_in_executor(self._compute, self._optimizer_step, state)
 
     def _optimizer_step(self, state: _Step) -> None:
-        # A fresh tensor per clock: under SSP an older clock's gradient may still be on its way
-        # out of the previous .grad while this one is applied. A parameter whose averaged gradient
-        # is exactly zero (unused on every rank) keeps grad None so the optimizer skips it, as it
-        # would in one process; every rank sees the same aggregate, so every rank decides alike.
-        # A parameter frozen for this step (requires_grad off) gets no gradient either.
+        # A parameter no rank used keeps grad None so the optimizer skips it, as it would in one
+        # process: one this rank did not use is checked for an exactly zero aggregate (every rank
+        # sees the same aggregate, so every rank decides alike); scanning every aggregate would
+        # cost a pass over the model's gradients per step. A parameter frozen for this step
+        # (requires_grad off) gets no gradient either.
         for layer in self.layers:
             if syncer_class(self.schemes[layer.index]).host_outs:
                 for i in layer.param_ids:
@@ -576,8 +600,12 @@ class Trainer:
                 if i in self._server_owned:  # the shards' SGD sent the new values themselves
                     p.copy_(agg)
                     p.grad = None
+                elif not p.requires_grad:
+                    p.grad = None
+                elif i in state.unused:  # unused here: a gradient only if some rank used it
+                    p.grad = agg if bool(agg.any()) else None
                 else:
-                    p.grad = agg if p.requires_grad and bool(agg.any()) else None
+                    p.grad = agg
         self.optimizer.step()
 
     # -- plan and parameter server ----------------------------------------------------------
@@ -630,10 +658,10 @@ class Trainer:
         """Rank 0's measured alpha and beta, on every rank: each rank measures its own, and one
         plan needs one link."""
         if self.rank == 0:
-            link = link_of(self._calibration)
-            await self._job.rendezvous.publish("hybcomm-link", json.dumps([link.alpha, link.beta]))
-        alpha, beta = json.loads(await self._job.rendezvous.read("hybcomm-link", who="rank 0"))
-        return Link(alpha, beta)
+            link = link_of(self._calibration, self._kernel_flop)
+            await self._job.rendezvous.publish("hybcomm-link", json.dumps([link.alpha, link.beta, link.flop]))
+        alpha, beta, flop = json.loads(await self._job.rendezvous.read("hybcomm-link", who="rank 0"))
+        return Link(alpha, beta, flop)
 
     @property
     def merge_groups(self) -> list:
@@ -785,3 +813,20 @@ class Trainer:
             for slot, d in zip(slots, data):
                 self.staging.to_device(slot, d)
             self.staging.wait()
+
+
+def _time_reconstruction(world: int) -> float:
+    """Seconds per FLOP of the sufficient-factor kernel on this device: the fastest of three
+    rebuilds of a 1024 x 1024 layer from ``world`` ranks' 64 rows (~0.5 GFLOP at 4 ranks: long
+    enough to time, ~13 ms on one CPU core; the kernel the trainer will call, so a replaced one
+    is what is timed)."""
+    rows, side = 64, 1024
+    us = [torch.randn(rows, side) for _ in range(world)]
+    vs = [torch.randn(rows, side) for _ in range(world)]
+    out_w, out_b = torch.empty(side, side), torch.empty(side)
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        kernels.reconstruct(us, vs, 1.0 / world, out_w, out_b)
+        best = min(best, time.perf_counter() - started)
+    return best / (2.0 * rows * world * side * side)
