@@ -10,6 +10,7 @@ the mean of ``sum_k u_k``.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from ..errors import SyncTimeout
 from ..wire import Kind
@@ -76,5 +77,7 @@ class SFBSyncer(Syncer):
         out_w = bucket.outs[0]
         out_b = bucket.outs[1] if len(bucket.outs) > 1 else None
         loop = asyncio.get_running_loop()
+        started = time.perf_counter()
         await loop.run_in_executor(self._executor, self._reconstruct, us, vs, 1.0 / self.world, out_w, out_b)
-        return SyncResult(factors.nbytes(u.shape[0], m, n) * len(self._peers), sum(f.header.length for f in frames))
+        rebuilt = ((f"rebuild {bucket.label}", started, time.perf_counter()),)
+        return SyncResult(factors.nbytes(u.shape[0], m, n) * len(self._peers), sum(f.header.length for f in frames), work=rebuilt)

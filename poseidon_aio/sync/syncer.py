@@ -30,11 +30,14 @@ from .cost import Scheme
 @dataclass(slots=True)
 class SyncResult:
     """What one sync cost: payload bytes this rank put on and took off a network (an in-process
-    link not counted), and the ranks a shard dropped from the aggregate (straggler policy)."""
+    link not counted), the ranks a shard dropped from the aggregate (straggler policy), and the
+    compute the sync did itself (``(what, start, end)``, ``time.perf_counter`` seconds: SFB's
+    rebuild), for the trace."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
     dropped: tuple = ()
+    work: tuple = ()
 
 
 @dataclass

@@ -78,8 +78,9 @@ class Tracer:
     def on(self) -> bool:
         return self.config.path is not None
 
-    def step(self, clock: int, started: float, compute_end: float, spans: list, done: float) -> None:
-        """Record a step: its forward+backward, and every sync from ready to done."""
+    def step(self, clock: int, started: float, compute_end: float, spans: list, done: float, work: list = ()) -> None:
+        """Record a step: its forward+backward, every sync from ready to done, and the compute the
+        syncs did themselves (SFB's rebuilds, on their own thread: they overlap the backward)."""
         if not self.on:
             return
         us = lambda t: round((t - self._t0) * 1e6, 1)  # noqa: E731
@@ -88,6 +89,8 @@ class Tracer:
         for s in spans:
             ev.append({"name": f"{s.label} ready", "ph": "i", "s": "t", "pid": pid, "tid": "compute", "ts": us(s.ready)})
             ev.append({"name": f"sync {s.label} ({s.scheme.value})", "ph": "X", "pid": pid, "tid": f"sync {s.scheme.value}", "ts": us(s.start), "dur": us(s.end or done) - us(s.start), "args": {"clock": clock}})
+        for what, start, end in work:
+            ev.append({"name": what, "ph": "X", "pid": pid, "tid": "rebuild", "ts": us(start), "dur": us(end) - us(start), "args": {"clock": clock}})
 
     async def align(self, peers, timeout: float) -> None:
         """Put this rank's timestamps in rank 0's time base: of ``_PINGS`` round trips to rank 0,

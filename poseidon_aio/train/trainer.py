@@ -98,7 +98,7 @@ class StepStats:
 class _Step:
     """One iteration in flight: its layer syncs and where their results land."""
 
-    __slots__ = ("clock", "syncs", "launched", "deferred", "agg", "compute_done", "started", "forward_end", "compute_end", "spans", "ready_at", "bytes", "dropped", "unused")
+    __slots__ = ("clock", "syncs", "launched", "deferred", "agg", "compute_done", "started", "forward_end", "compute_end", "spans", "work", "ready_at", "bytes", "dropped", "unused")
 
     def __init__(self, clock: int, started: float) -> None:
         self.clock = clock
@@ -110,6 +110,7 @@ class _Step:
         self.started = started
         self.forward_end = self.compute_end = 0.0
         self.spans: list = []
+        self.work: list = []  # (what, start, end) the syncs computed themselves (SFB's rebuilds)
         self.ready_at: dict = {}  # layer index -> when its gradient (or factors) were ready
         self.bytes: dict = {}
         self.dropped: set = set()
@@ -439,6 +440,7 @@ class Trainer:
             await self._plan(batch)
         t = self.clock
         state = _Step(t, time.perf_counter())
+        loop_cpu = time.thread_time()  # this (the event loop's) thread
         state.agg = self._aggregates(t)
         for layer in self.layers:
             captures = syncer_class(self.schemes[layer.index]).captures_factors
@@ -463,10 +465,10 @@ class Trainer:
             self.bytes_total[scheme] = self.bytes_total.get(scheme, 0) + n
         self.clock += 1
         if self._runtimes and any(r.measuring(t) for r in self._runtimes.values()):
-            self._measure(state)
+            self._measure(state, time.thread_time() - loop_cpu)
             if any(r.due(t) for r in self._runtimes.values()):
                 await self._replan()  # the new syncers (and parameter server) start at the next clock
-        self.tracer.step(t, state.started, state.compute_end, state.spans, done)
+        self.tracer.step(t, state.started, state.compute_end, state.spans, done, state.work)
         return StepStats(
             clock=t,
             loss=loss,
@@ -536,6 +538,7 @@ class Trainer:
         result = await self._syncers[scheme].start(bucket, state.clock)
         state.bytes[scheme.value] = state.bytes.get(scheme.value, 0) + result.bytes_sent + result.bytes_received
         state.dropped.update(result.dropped)
+        state.work.extend(result.work)
 
     async def _bucket(self, state: _Step, layer: Layer, scheme: Scheme) -> Bucket:
         """The layer's buffers as its scheme moves them: host views on CPU, staged copies on a GPU."""
@@ -753,12 +756,13 @@ class Trainer:
 
     # -- MG-WFBP ----------------------------------------------------------------------------
 
-    def _measure(self, state: _Step) -> None:
+    def _measure(self, state: _Step, loop_cpu: float) -> None:
+        per_message = loop_cpu / max(1, len(state.spans))
         for scheme, runtime in self._runtimes.items():
             layers = [layer.index for layer in self._layers_of(scheme)]
             spans = [(s.start, s.end) for s in state.spans if s.scheme is scheme and s.end]
             nbytes = sum(p.numel() * p.element_size() for i in layers for _, p in self.layers[i].params)
-            runtime.record(state.forward_end - state.started, state.forward_end, state.ready_at, layers, spans, nbytes)
+            runtime.record(state.forward_end - state.started, state.forward_end, state.ready_at, layers, spans, nbytes, per_message)
 
     async def _replan(self) -> None:
         """Adopt the merge plans every rank agreed on: the syncers (and the parameter server)

@@ -1,0 +1,293 @@
+"""``python -m bench paper``: ATC'17's scaling experiments, trace-driven, with our real code path.
+
+Every worker is a real process in its own network namespace behind tc tbf (bench/netns.py), with
+the papers' models' real layer shapes (``poseidon_aio.cluster.models.trace``: VGG19, VGG19-22K,
+Inception-V3, ResNet-152) and their compute **replayed** per layer at a stated device rate; every
+parameter, gradient, sufficient factor and byte on the wire is real. Rows: naive PS, WFBP (PS),
+poseidon (WFBP + HybComm + MG-WFBP) and DDP (gloo, the same caps), at 1, 2, 4, 8 and 16 workers;
+throughput speed-up over one worker (P x t(1) / t(P)), and each iteration's lower bound
+max(compute, bytes on poseidon's busiest link / rate).
+
+What is scaled, and why the figures still are the paper's:
+
+* **Bytes**, by ``--scale`` s (16: VGG19-22K's 229 M parameters would take 16 x 1.8 GB on this
+  24 GiB machine): a conv layer's parameters become ``numel / s`` floats; a fully-connected layer
+  M x N and its rows K become M/√s x N/√s and K/√s, so its matrix (MN) and its sufficient
+  factors (K(M + N)) both shrink by s and HybComm's comparison is unchanged. The link rate is
+  divided by s too: every transfer takes the time it takes at full size.
+* **Time**, by ``--dilation`` d (2 cores must move 16 processes' bytes): replayed compute runs d
+  times slower and the link d times slower still; reported times are divided by d.
+* **Compute** is replayed at ``--device-tflops`` (default 4.2: a Titan X running VGG19 at the
+  35.5 images/s ATC'17 measured, 3 x 39.3 GFLOP forward per image), at each layer's full-size
+  FLOPs (the SFB rebuild included), whatever the byte scaling.
+
+Without root there are no namespaces: the bench says so and stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+from bench import launch
+
+IMPLS = ["naive", "wfbp", "poseidon", "ddp"]
+MODELS = ["vgg19", "vgg19_22k", "inception_v3", "resnet152"]
+
+
+def _rate_bits(text: str) -> float:
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
+    for unit, scale in units.items():
+        if text.lower().endswith(unit):
+            return float(text[: -len(unit)]) * scale
+    return float(text)
+
+
+# -- the replayed model ---------------------------------------------------------------------------
+
+
+def scaled_layers(model: str, batch: int, scale: float) -> list:
+    """``[(name, kind, shapes, rows, full-size forward FLOPs)]``: the trace with every layer's
+    bytes divided by ``scale`` (see the module docstring)."""
+    from poseidon_aio.cluster.models import trace
+
+    root = math.sqrt(scale)
+    out = []
+    for layer in trace(model, batch):
+        if layer.fully_connected:
+            m, n = layer.shapes[0]
+            m2, n2 = max(1, round(m / root)), max(1, round(n / root))
+            shapes = [(m2, n2)] + ([(m2,)] if len(layer.shapes) > 1 else [])
+            out.append((layer.name, "fc", shapes, max(1, round(batch / root)), layer.flops))
+        else:
+            shapes = [(max(1, round(math.prod(s) / scale)),) for s in layer.shapes]
+            out.append((layer.name, "other", shapes, 0, layer.flops))
+    return out
+
+
+def build_model(layers: list, tflops: float, dilation: float, scale: float):
+    """A ``torch.nn.Module`` whose layers own the scaled parameters and replay the full-size
+    compute; fully-connected layers are ``nn.Linear`` subclasses so HybComm sees them as such."""
+    import torch
+    from torch import nn
+
+    rate = tflops * 1e12
+
+    class Replay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, layer, *params):
+            ctx.layer, ctx.x_shape = layer, x.shape
+            time.sleep(layer.fwd_s)
+            return layer.out.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            layer = ctx.layer
+            time.sleep(layer.fwd_s * (1 if layer.skip_weight_grad else 2))
+            grad_x = torch.zeros(ctx.x_shape) if ctx.needs_input_grad[0] else None
+            grads = (None,) * len(layer.grads) if layer.skip_weight_grad else layer.grads
+            return (grad_x, None, *grads)
+
+    class Linear(nn.Linear):
+        def __init__(self, m: int, n: int, rows: int, flops: float, bias: bool) -> None:
+            super().__init__(n, m, bias=bias)
+            self.fwd_s, self.skip_weight_grad = flops / rate * dilation, False
+            self.out = torch.zeros(rows, m)
+            self.grads = [torch.randn_like(p) * 1e-3 for p in self.parameters()]
+
+        def forward(self, x):
+            return Replay.apply(x, self, *self.parameters())
+
+    class Other(nn.Module):
+        def __init__(self, shapes, flops: float, out_shape) -> None:
+            super().__init__()
+            self.params = nn.ParameterList([nn.Parameter(torch.zeros(s)) for s in shapes])
+            self.fwd_s, self.skip_weight_grad = flops / rate * dilation, False
+            self.out = torch.zeros(out_shape)
+            self.grads = [torch.randn(s) * 1e-3 for s in shapes]
+
+        def forward(self, x):
+            return Replay.apply(x, self, *self.params)
+
+    modules = []
+    for i, (name, kind, shapes, rows, flops) in enumerate(layers):
+        nxt = layers[i + 1] if i + 1 < len(layers) else None
+        if kind == "fc":
+            modules.append(Linear(shapes[0][0], shapes[0][1], rows, flops, bias=len(shapes) > 1))
+        else:
+            # What the next layer reads: a fully-connected layer's K x N input, else one column.
+            out_shape = (nxt[3], nxt[2][0][1]) if nxt is not None and nxt[1] == "fc" else (8, 1)
+            modules.append(Other(shapes, flops, out_shape))
+    first = layers[0]
+    in_shape = (first[3], first[2][0][1]) if first[1] == "fc" else (8, 1)
+    return nn.Sequential(*modules), torch.zeros(in_shape)
+
+
+# -- one worker process ---------------------------------------------------------------------------
+
+
+def worker(cfg: dict) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    layers = scaled_layers(cfg["model"], cfg["batch"], cfg["scale"])
+    model, x = build_model(layers, cfg["tflops"], cfg["dilation"], cfg["scale"])
+    loss_fn = lambda out, _: out.float().mean()  # noqa: E731 - replayed outputs are zeros
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    total, times, extra = cfg["warmup"] + cfg["steps"], [], {}
+    if cfg["impl"] == "ddp":
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        dist.init_process_group("gloo", rank=cfg["rank"], world_size=cfg["world"])
+        ddp = DistributedDataParallel(model) if cfg["world"] > 1 else model
+        for _ in range(total):
+            dist.barrier()
+            started = time.perf_counter()
+            opt.zero_grad()
+            loss_fn(ddp(x), None).backward()
+            opt.step()
+            times.append(time.perf_counter() - started)
+        dist.barrier()
+    else:
+        import poseidon_aio
+        from poseidon_aio import kernels
+
+        rate, grow = cfg["tflops"] * 1e12, cfg["scale"] ** 1.5  # an FC layer's K M N shrank by s^1.5
+
+        def replayed_reconstruct(us, vs, scale, out_w, out_b=None):
+            time.sleep(2 * sum(u.shape[0] for u in us) * out_w.numel() * grow / rate * cfg["dilation"])
+
+        kernels.reconstruct = replayed_reconstruct
+
+        async def main():
+            stats = []
+            async with poseidon_aio.Trainer(model, opt, loss_fn, mode=cfg["impl"], broadcast_buffers=False) as trainer:
+                for t in range(total):
+                    started = time.perf_counter()
+                    stats.append(await trainer.step((x, None)))
+                    times.append(time.perf_counter() - started)
+                    if t == 0:  # layers synced by factors compute no weight gradient (train.layers)
+                        for module, scheme in zip(model, stats[0].schemes.values()):
+                            module.skip_weight_grad = scheme in ("sfb", "adam")
+            return stats, trainer.merge_info
+
+        stats, info = poseidon_aio.run(main())
+        stats = stats[cfg["warmup"]:]
+        extra = {
+            "schemes": stats[-1].schemes,
+            "compute_s": statistics.median(s.compute_s for s in stats) / cfg["dilation"],
+            "bytes": statistics.median(sum(s.bytes.values()) for s in stats),
+            "merge_groups": len(info.get("groups", [])),
+            "alpha_s": info.get("alpha_s"),
+        }
+    d = cfg["dilation"]
+    with open(cfg["out"], "w") as f:
+        json.dump({"times": [t / d for t in times[cfg["warmup"]:]], **extra}, f)
+    sys.stdout.flush()
+    os._exit(0)  # gloo's teardown can hang once peers are gone; the result is written
+
+
+# -- the harness ----------------------------------------------------------------------------------
+
+
+def run(model: str, impl: str, world: int, args, rate_bits: float) -> dict:
+    from bench import netns
+
+    cfg = dict(model=model, impl=impl, batch=args.batch, scale=args.scale, dilation=args.dilation, tflops=args.device_tflops,
+               warmup=args.warmup, steps=args.steps)
+    cap = f"{rate_bits / args.scale / args.dilation / 1e3:.0f}kbit"
+    with netns.hosts(world, cap) as names:
+        ranks = launch("bench.paper", world, cfg, namespaces=names, timeout=args.timeout, what=f"{impl} {model} x{world}")
+    steps = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
+    out = {"step_s": statistics.median(steps), "rank0": ranks[0]}
+    if "bytes" in ranks[0]:
+        out["compute_s"] = max(r["compute_s"] for r in ranks)
+        # Bytes crossed the scaled link: scale back to what the full-size model moves.
+        out["bytes"] = max(r["bytes"] for r in ranks) * args.scale
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m bench paper", description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--workers", default="1,2,4,8,16")
+    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--link", default="10gbit", help="each worker's link at full size (the paper's 10 GbE)")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--scale", type=float, default=16.0, help="every layer's bytes and the link rate divided by this")
+    parser.add_argument("--dilation", type=float, default=10.0, help="compute and link slowed by this; times divided back")
+    parser.add_argument("--device-tflops", type=float, default=4.2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=4, help="untimed iterations (merging is planned after 3)")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--out", default="bench/out", help="where the figures and the raw results go")
+    parser.add_argument("--simulate", action="store_true", default=True, help="run the simulator beside the emulation (default)")
+    parser.add_argument("--no-simulate", dest="simulate", action="store_false")
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return {}
+    from bench import netns
+
+    capped, why = netns.available()
+    if not capped:
+        print(f"bench paper needs network namespaces (root and iproute2): {why}")
+        return {}
+    rate_bits = _rate_bits(args.link)
+    os.makedirs(args.out, exist_ok=True)
+    worlds = [int(w) for w in args.workers.split(",")]
+    impls = args.impls.split(",")
+    results: dict = {}
+    for model in args.models.split(","):
+        for world in worlds:
+            for impl in impls if world > 1 else ["wfbp"]:  # one worker: compute alone, whatever the scheme
+                res = run(model, impl, world, args, rate_bits)
+                results[(model, world, impl)] = res
+                print(f"  {model} x{world} {impl}: {res['step_s'] * 1e3:.0f} ms", file=sys.stderr, flush=True)
+    with open(os.path.join(args.out, "paper-emulated.json"), "w") as f:
+        json.dump({f"{m}|{w}|{i}": {k: v for k, v in r.items() if k != "rank0"} | {"schemes": r["rank0"].get("schemes")} for (m, w, i), r in results.items()}, f)
+    lines, summary = [], {}
+    for model in args.models.split(","):
+        single = results[(model, 1, "wfbp")]["step_s"] if (model, 1, "wfbp") in results else None
+        lines += [
+            f"{model}: iteration time, ms (full size: bytes x {args.scale:g}, dilation {args.dilation:g} divided out), and speed-up over one worker (P t(1) / t(P))",
+            "",
+            "| workers | " + " | ".join(impls) + " | poseidon bound | " + " | ".join(f"speed-up {i}" for i in impls) + " |",
+            "|---|" + "---|" * (2 * len(impls) + 1),
+        ]
+        for world in worlds:
+            row = [results.get((model, world, i if world > 1 else "wfbp")) for i in impls]
+            cells = " | ".join(f"{r['step_s'] * 1e3:.0f}" if r else "-" for r in row)
+            pos = results.get((model, world, "poseidon" if world > 1 else "wfbp"))
+            bound = max(pos["compute_s"], pos["bytes"] / 2 / (rate_bits / 8)) if pos and "compute_s" in pos else None
+            speed = " | ".join(f"{world * single / r['step_s']:.1f}" if r and single else "-" for r in row)
+            lines.append(f"| {world} | {cells} | {bound * 1e3:.0f} | {speed} |" if bound else f"| {world} | {cells} | - | {speed} |")
+            for impl, r in zip(impls, row):
+                if r and single:
+                    summary[f"speedup_{model}_{impl}_{world}w"] = round(world * single / r["step_s"], 2)
+        lines.append("")
+    print("\n".join(lines))
+    out = {
+        "bench": "paper",
+        "speedup_vgg19_22k_16w": summary.get("speedup_vgg19_22k_poseidon_16w"),
+        "scale": args.scale,
+        "dilation": args.dilation,
+        "device_tflops": args.device_tflops,
+        "link": args.link,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        **summary,
+    }
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
