@@ -63,6 +63,20 @@ class LocalLink(Endpoint):
         priority: int = 0,
     ) -> None:
         """Hand one frame to the peer; its payload is copied before this returns."""
+        self.try_send(kind, payload, key=key, clock=clock, dtype=dtype, flags=flags, priority=priority)
+
+    def try_send(
+        self,
+        kind: Kind,
+        payload=b"",
+        *,
+        key: int = 0,
+        clock: int = 0,
+        dtype: DType = DType.BYTES,
+        flags: int = 0,
+        priority: int = 0,
+    ) -> bool:
+        """Hand one frame to the peer now (an in-process link never has to wait): ``True``."""
         if self._exc is not None:
             raise self._lost()
         views = payload_views(payload)
@@ -74,7 +88,7 @@ class LocalLink(Endpoint):
             dest = peer._allocate(header) if length else None
         except Exception as exc:  # noqa: BLE001 - the receiver refused the header, as a Connection would
             peer._fail(exc, "error")
-            return
+            return True  # the frame went where a refused one goes; the sender hears it next
         target = byte_view(dest) if dest is not None else memoryview(bytearray(length))
         offset = 0
         for v in views:
@@ -82,6 +96,7 @@ class LocalLink(Endpoint):
             offset += v.nbytes
         self.bytes_sent += length
         peer._dispatch(Frame(header, target))
+        return True
 
     async def close(self) -> None:
         self._fail(ConnectionLost(f"link to {self.where} was closed by rank {self.rank}"), "close")

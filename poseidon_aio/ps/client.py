@@ -58,6 +58,127 @@ def _scatter(pending: list) -> None:
             offset += o.size
 
 
+class _Sync:
+    """One push (or factor push) in flight: its sends, its expected replies, one future.
+
+    Futures and callbacks instead of a coroutine per step: a frame that can go out at once goes
+    (``try_send``), a reply's arrival counts down, one timer bounds the whole, and a shard's
+    failure notice or a cancelled future ends it. On a 30-layer model that is ~5 fewer tasks per
+    layer per step than awaiting each part.
+    """
+
+    __slots__ = ("client", "messages", "clock", "what", "future", "waits", "tasks", "scatter", "left", "timer", "sent", "received", "remote_sent", "remote_received")
+
+    def __init__(self, client: "PSClient", messages, clock: int, what: str) -> None:
+        self.client = client
+        self.messages = messages
+        self.clock = clock
+        self.what = what
+        self.future = client._loop.create_future()
+        self.waits: list = []
+        self.tasks: list = []
+        self.scatter: list = []
+        self.left = 0
+        self.timer = None
+        self.sent = self.received = self.remote_sent = self.remote_received = 0
+
+    def expect(self, conn, kind: Kind, key: int, clock: int, outs: list) -> None:
+        """Expect the reply ``(kind, key, clock)`` into ``outs`` (a staging buffer when several)."""
+        if self.future.done():  # a send already failed
+            return
+        into = outs[0] if len(outs) == 1 else np.empty(sum(o.size for o in outs), dtype=outs[0].dtype)
+        if len(outs) > 1:
+            self.scatter.append((into, outs))
+        wait = conn.expect(kind, key, clock, into=into)
+        self.waits.append(wait)
+        self.left += 1
+        self.received += into.nbytes
+        if not conn.is_local:
+            self.remote_received += into.nbytes
+        wait.add_done_callback(self._part_done)
+
+    def send(self, conn, kind: Kind, payload, key: int, clock: int, dtype, priority: int, nbytes: int) -> None:
+        if self.future.done():
+            return
+        self.sent += nbytes
+        if not conn.is_local:
+            self.remote_sent += nbytes
+        try:
+            if conn.try_send(kind, payload, key=key, clock=clock, dtype=dtype, priority=priority):
+                return
+        except Exception as exc:  # noqa: BLE001 - a lost link: the future says so, as an awaited send would
+            self._finish(exc)
+            return
+        task = asyncio.ensure_future(conn.send(kind, payload, key=key, clock=clock, dtype=dtype, priority=priority))
+        self.tasks.append(task)
+        self.left += 1
+        task.add_done_callback(self._part_done)
+
+    def started(self) -> asyncio.Future:
+        client = self.client
+        if self.future.done():  # a send failed at once
+            return self.future
+        if client._failure.done():
+            self._finish(client._failure.exception())
+            return self.future
+        client._failure.add_done_callback(self._failed)
+        self.timer = client._loop.call_later(client.config.sync_timeout, self._timed_out)
+        self.future.add_done_callback(self._given_up)
+        if not self.left:
+            self._finish(None)
+        return self.future
+
+    def _part_done(self, fut: asyncio.Future) -> None:
+        if self.future.done():
+            return
+        if fut.cancelled():
+            self._finish(ConnectionLost(f"rank {self.client.rank}: {self.what} was given up"))
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self._finish(exc)
+            return
+        self.left -= 1
+        if not self.left:
+            self._finish(None)
+
+    def _failed(self, failure: asyncio.Future) -> None:
+        if not self.future.done():
+            self._finish(failure.exception())
+
+    def _timed_out(self) -> None:
+        self.timer = None
+        if not self.future.done():
+            self._finish(self.client.timed_out(self.what, self.messages, self.clock))
+
+    def _given_up(self, fut: asyncio.Future) -> None:
+        if fut.cancelled():
+            self._cleanup()
+
+    def _finish(self, exc) -> None:
+        self._cleanup()
+        if self.future.done():
+            return
+        if exc is not None:
+            self.future.set_exception(exc)
+            return
+        _scatter(self.scatter)
+        client, n = self.client, len(self.messages)
+        client._count(self.clock, n)
+        self.future.set_result(
+            PushResult(self.clock, n, self.sent, self.received, sorted(client.dropped.get(self.clock, ())), self.remote_sent, self.remote_received)
+        )
+
+    def _cleanup(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.client._failure.remove_done_callback(self._failed)
+        for fut in (*self.waits, *self.tasks):
+            if not fut.done():
+                fut.cancel()
+
+
 class PSClient:
     """Push/pull against every shard of the job.
 
@@ -98,8 +219,9 @@ class PSClient:
 
     def push(
         self, params: Sequence[int], grads: Sequence[np.ndarray], out: Sequence[np.ndarray], clock: int, priority: int = 0
-    ) -> asyncio.Task:
-        """Push the gradients of ``params`` for ``clock``; return a task of the :class:`PushResult`.
+    ) -> asyncio.Future:
+        """Push the gradients of ``params`` for ``clock``; return a future of the :class:`PushResult`
+        (it fails with SyncTimeout, ConnectionLost, WorkerLeft; cancelling it gives the push up).
 
         Args:
             params: manifest indices of the parameters (a layer, or a whole merge group).
@@ -126,9 +248,16 @@ class PSClient:
                     raise LocalProtocolError(
                         f"message {m.id} also carries {other}: push its whole merge group together"
                     )
-        return asyncio.ensure_future(self._push(messages, flat_g, flat_o, clock, priority))
+        server = self.config.server_sgd is not None
+        reply_kind, reply_clock = (Kind.PARAMS, clock + 1) if server else (Kind.AGGREGATE, clock)
+        op = _Sync(self, messages, clock, f"replies for clock {clock}")
+        for m in messages:
+            conn = self._conns[m.shard]
+            op.expect(conn, reply_kind, m.id, reply_clock, self.book.slices(m, flat_o))
+            op.send(conn, Kind.PUSH, self.book.slices(m, flat_g), m.id, clock, WIRE_DTYPE[m.dtype], priority, m.nbytes)
+        return op.started()
 
-    def push_factors(self, params: Sequence[int], u: np.ndarray, v: np.ndarray, out: Sequence[np.ndarray], clock: int, priority: int = 0) -> asyncio.Task:
+    def push_factors(self, params: Sequence[int], u: np.ndarray, v: np.ndarray, out: Sequence[np.ndarray], clock: int, priority: int = 0) -> asyncio.Future:
         """The Project-Adam scheme: send a fully-connected layer's sufficient factors (u: K×M output
         gradient rows, v: K×N input rows) to the shard that holds it; it rebuilds the mean gradient
         and every worker pulls the full matrices (into ``out``: weight, then bias).
@@ -139,32 +268,14 @@ class PSClient:
         layer = tuple(params)
         if layer not in self.book.factored:
             raise LocalProtocolError(f"parameters {list(params)} are not a factored (Project-Adam) layer of the information book")
-        return asyncio.ensure_future(self._push_factors(layer, u, v, self._flat(params, out), clock, priority))
-
-    async def _push_factors(self, layer: tuple, u: np.ndarray, v: np.ndarray, flat_o: dict, clock: int, priority: int) -> PushResult:
+        flat_o = self._flat(params, out)
         messages = self.book.messages_of_params(layer)
         conn = self._conns[messages[0].shard]
-        waits, scatter = [], []
+        op = _Sync(self, messages, clock, f"the rebuilt matrices for clock {clock}")
         for m in messages:
-            outs = self.book.slices(m, flat_o)
-            into = outs[0] if len(outs) == 1 else np.empty(sum(o.size for o in outs), dtype=outs[0].dtype)
-            if len(outs) > 1:
-                scatter.append((into, outs))
-            waits.append(conn.expect(Kind.AGGREGATE, m.id, clock, into=into))
-        sent = u.nbytes + v.nbytes
-        try:
-            send = conn.send(Kind.FACTORS, factors.encode(u, v), key=messages[0].id, clock=clock, dtype=factors.DTYPE, priority=priority)
-            await self._bounded(send, f"sending factors at clock {clock}", messages, clock)
-            await self._bounded(asyncio.gather(*waits), f"the rebuilt matrices for clock {clock}", messages, clock)
-        except BaseException:
-            for fut in waits:
-                fut.cancel()
-            raise
-        _scatter(scatter)
-        self._count(clock, len(messages))
-        received = sum(m.nbytes for m in messages)
-        remote = not conn.is_local
-        return PushResult(clock, len(messages), sent, received, [], sent if remote else 0, received if remote else 0)
+            op.expect(conn, Kind.AGGREGATE, m.id, clock, self.book.slices(m, flat_o))
+        op.send(conn, Kind.FACTORS, factors.encode(u, v), messages[0].id, clock, factors.DTYPE, priority, u.nbytes + v.nbytes)
+        return op.started()
 
     def _flat(self, params: Sequence[int], arrays: Sequence[np.ndarray]) -> dict:
         """``{manifest index: flattened view}``, each array checked against the manifest."""
@@ -180,35 +291,6 @@ class PSClient:
         if not array.flags.c_contiguous:
             raise LocalProtocolError(f"rank {self.rank}: {spec.name} must be C-contiguous")
         return array.reshape(-1)
-
-    async def _push(self, messages, flat_g: dict, flat_o: dict, clock: int, priority: int) -> PushResult:
-        server = self.config.server_sgd is not None
-        reply_kind, reply_clock = (Kind.PARAMS, clock + 1) if server else (Kind.AGGREGATE, clock)
-        waits, sends, scatter, sent, received, remote = [], [], [], 0, 0, 0
-        for m in messages:
-            conn = self._conns[m.shard]
-            parts, outs = self.book.slices(m, flat_g), self.book.slices(m, flat_o)
-            if len(outs) == 1:
-                into = outs[0]
-            else:
-                into = np.empty(sum(o.size for o in outs), dtype=outs[0].dtype)
-                scatter.append((into, outs))
-            waits.append((m, conn.expect(reply_kind, m.id, reply_clock, into=into)))
-            sends.append(conn.send(Kind.PUSH, parts, key=m.id, clock=clock, dtype=WIRE_DTYPE[m.dtype], priority=priority))
-            sent += m.nbytes
-            received += m.nbytes
-            if not conn.is_local:
-                remote += m.nbytes
-        try:
-            await self._bounded(asyncio.gather(*sends), f"sending clock {clock}", messages, clock)
-            await self._bounded(asyncio.gather(*(f for _, f in waits)), f"replies for clock {clock}", messages, clock)
-        except BaseException:
-            for _, fut in waits:
-                fut.cancel()
-            raise
-        _scatter(scatter)
-        self._count(clock, len(messages))
-        return PushResult(clock, len(messages), sent, received, sorted(self.dropped.get(clock, ())), remote, remote)
 
     async def _bounded(self, aw, what: str, messages: Sequence[Message], clock: int):
         """Await ``aw`` against the sync timeout and a failure notice from any shard."""
@@ -226,6 +308,11 @@ class PSClient:
         await asyncio.gather(task, return_exceptions=True)
         if self._failure.done():
             raise self._failure.exception()
+        raise self.timed_out(what, messages, clock)
+
+    def timed_out(self, what: str, messages: Sequence[Message], clock: int) -> SyncTimeout:
+        """The error of a sync that took longer than ``sync_timeout``: which parameters, which
+        shards, and what a shard reported waiting for."""
         names = sorted({self.book.manifest[self.book.pairs[k].param].name for m in messages for k in m.keys})
         shards = sorted({m.shard for m in messages})
         stalls = [self._stalls[(m.id, clock)] for m in messages if (m.id, clock) in self._stalls]
@@ -234,7 +321,7 @@ class PSClient:
             if stalls
             else "; a worker may be dead or stalled (see the shards' logs)"
         )
-        raise SyncTimeout(
+        return SyncTimeout(
             f"rank {self.rank}: {what} of {', '.join(names)} (shards {shards}) did not complete "
             f"within {self.config.sync_timeout} s{hint}"
         )

@@ -78,8 +78,24 @@ class Outbox:
             await asyncio.gather(self._writer, return_exceptions=True)
 
     def _wake(self) -> None:
-        if self._frames and self._conn is not None and (self._writer is None or self._writer.done()):
-            self._writer = asyncio.ensure_future(self._write(self._conn))
+        if not self._frames or self._conn is None or (self._writer is not None and not self._writer.done()):
+            return
+        # Frames that can go out at once go now, in order; a writer task takes over only when
+        # the link makes us wait (most replies on a healthy link never do).
+        conn = self._conn
+        try:
+            while self._frames:
+                frame = self._frames[0]
+                kind, payload, key, clock, dtype = frame
+                if not conn.try_send(kind, payload, key=key, clock=clock, dtype=dtype, priority=_priority(kind)):
+                    break
+                self._frames.popleft()
+                self.nbytes -= frame_bytes(frame)
+                self._on_sent(frame, conn)
+        except ConnectionError:
+            return  # the link is gone; its loss is reported by the link, the frames stay queued
+        if self._frames:
+            self._writer = asyncio.ensure_future(self._write(conn))
             self._writer.add_done_callback(_quiet)
 
     async def _write(self, conn: Endpoint) -> None:
@@ -88,11 +104,15 @@ class Outbox:
         while self._frames and self._conn is conn:
             frame = self._frames[0]
             kind, payload, key, clock, dtype = frame
-            await conn.send(kind, payload, key=key, clock=clock, dtype=dtype, priority=0 if kind is Kind.CONTROL else 1)
+            await conn.send(kind, payload, key=key, clock=clock, dtype=dtype, priority=_priority(kind))
             if self._frames and self._frames[0] is frame:  # not cleared meanwhile
                 self._frames.popleft()
                 self.nbytes -= frame_bytes(frame)
             self._on_sent(frame, conn)
+
+
+def _priority(kind: Kind) -> int:
+    return 0 if kind is Kind.CONTROL else 1  # a notice goes before the data it concerns
 
 
 def _quiet(task: asyncio.Task) -> None:

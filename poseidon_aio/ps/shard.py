@@ -389,51 +389,72 @@ class KVShard:
         del self._pending[(mid, clock)]
         for timer in p.timers:
             timer.cancel()
-        self._track(self._finalize(mid, clock, p, contributors))
+        if mid in self._factored or self._messages[mid].nbytes > _OFFLOAD_BYTES:
+            self._track(self._finalize(mid, clock, p, contributors))
+            return
+        self._finalize_now(mid, clock, p, contributors)
+        # The next clock may be complete already (SSP); a loop here, not recursion, keeps deep
+        # queues of finalized-in-a-row clocks off the stack.
+        self._loop.call_soon(self._advance, mid)
 
     async def _finalize(self, mid: int, clock: int, p: _Pending, contributors: list) -> None:
+        """Finalize on the shard's thread: a Project-Adam rebuild (a GEMM) or a mean over more than
+        ``_OFFLOAD_BYTES`` (NumPy releases the GIL: the loop keeps receiving meanwhile)."""
         try:
             if mid in self._factored:
                 params, messages = self._factored[mid]
-                replies = [
-                    (msg, Kind.AGGREGATE, payload, clock)
-                    for msg, payload in await self._loop.run_in_executor(self._pool, rebuild, self.book, params, messages, p.slots, contributors)
-                ]
+                rebuilt = await self._loop.run_in_executor(self._pool, rebuild, self.book, params, messages, p.slots, contributors)
+                replies = [(msg, Kind.AGGREGATE, payload, clock) for msg, payload in rebuilt]
             else:
-                replies = [(self._messages[mid], *await self._reduce(mid, clock, p, contributors))]
-            dropped = sorted(set(range(self.workers)) - set(contributors))
-            for r in dropped:
-                self.stats.dropped[r] = self.stats.dropped.get(r, 0) + 1
-            if dropped:
-                log.warning("shard %d: message %d at clock %d finalized without ranks %s", self.index, mid, clock, dropped)
-            notice = [self._notice("dropped", message=mid, clock=clock, ranks=dropped)] if dropped else []
-            for msg, kind, payload, reply_clock in replies:
-                self._finalized[msg.id] = clock
-                self.stats.finalized += 1
-                for r in range(self.workers):
-                    self._send(r, [*notice, (kind, payload, msg.id, reply_clock, WIRE_DTYPE[msg.dtype])])
-            if self._sgd is not None and mid not in self._factored:
-                self._after_update(mid, clock + 1)
-        except RemoteProtocolError as exc:  # nothing to reply with: every worker must hear why
-            log.error("shard %d: %s", self.index, exc)
-            for r in range(self.workers):
-                self._send(r, [self._notice("error", message=mid, clock=clock, reason=str(exc))])
+                out = self._replies.take(mid, self._numel[mid], self._dtype[mid])
+                mean = await self._loop.run_in_executor(self._pool, reduce_mean, p.slots, contributors, out)
+                replies = [(self._messages[mid], *self._reply(mid, clock, p, mean))]
+            self._deliver(mid, clock, contributors, replies)
+        except RemoteProtocolError as exc:
+            self._refused(mid, clock, exc)
         finally:
             self._busy.discard(mid)
         self._advance(mid)
 
-    async def _reduce(self, mid: int, clock: int, p: _Pending, contributors: list) -> tuple:
+    def _finalize_now(self, mid: int, clock: int, p: _Pending, contributors: list) -> None:
+        """Finalize a mean small enough to take on the loop (a thread hop costs more than the sum;
+        and no task: ~30 messages a step on a small model each saved one)."""
+        try:
+            mean = reduce_mean(p.slots, contributors, self._replies.take(mid, self._numel[mid], self._dtype[mid]))
+            self._deliver(mid, clock, contributors, [(self._messages[mid], *self._reply(mid, clock, p, mean))])
+        except RemoteProtocolError as exc:
+            self._refused(mid, clock, exc)
+        finally:
+            self._busy.discard(mid)
+
+    def _reply(self, mid: int, clock: int, p: _Pending, mean) -> tuple:
         """``(kind, payload, reply clock)``: the mean, or with server-side SGD the new parameters."""
-        out = self._replies.take(mid, self._numel[mid], self._dtype[mid])
-        if self._messages[mid].nbytes > _OFFLOAD_BYTES:
-            mean = await self._loop.run_in_executor(self._pool, reduce_mean, p.slots, contributors, out)
-        else:
-            mean = reduce_mean(p.slots, contributors, out)
         if not p.landing:  # no late frame is still being written into these slots
             self._slots.give(mid, p.slots)
         if self._sgd is not None:
             return Kind.PARAMS, self._sgd.apply(mid, mean), clock + 1
         return Kind.AGGREGATE, mean, clock
+
+    def _deliver(self, mid: int, clock: int, contributors: list, replies: list) -> None:
+        dropped = sorted(set(range(self.workers)) - set(contributors))
+        for r in dropped:
+            self.stats.dropped[r] = self.stats.dropped.get(r, 0) + 1
+        if dropped:
+            log.warning("shard %d: message %d at clock %d finalized without ranks %s", self.index, mid, clock, dropped)
+        notice = [self._notice("dropped", message=mid, clock=clock, ranks=dropped)] if dropped else []
+        for msg, kind, payload, reply_clock in replies:
+            self._finalized[msg.id] = clock
+            self.stats.finalized += 1
+            for r in range(self.workers):
+                self._send(r, [*notice, (kind, payload, msg.id, reply_clock, WIRE_DTYPE[msg.dtype])])
+        if self._sgd is not None and mid not in self._factored:
+            self._after_update(mid, clock + 1)
+
+    def _refused(self, mid: int, clock: int, exc: RemoteProtocolError) -> None:
+        """Nothing to reply with (no parameters to apply SGD to): every worker must hear why."""
+        log.error("shard %d: %s", self.index, exc)
+        for r in range(self.workers):
+            self._send(r, [self._notice("error", message=mid, clock=clock, reason=str(exc))])
 
     def _after_update(self, mid: int, version: int) -> None:
         owned = sum(1 for m in self._messages if m not in self._rebuilt)

@@ -528,20 +528,34 @@ class Trainer:
         state.ready_at[layer.index] = ready_at or time.perf_counter()
         scheme = self.schemes[layer.index]
         span = Span(layer.name, scheme, state.ready_at[layer.index], time.perf_counter())
-        task = asyncio.ensure_future(self._sync(state, layer, scheme))
-        task.add_done_callback(lambda _: setattr(span, "end", time.perf_counter()))
         state.spans.append(span)
-        state.syncs.append(task)
+        if self._gpu:  # the host copies wait on CUDA streams: off the loop
+            sync = asyncio.ensure_future(self._staged_sync(state, layer, scheme))
+        else:  # CPU tensors are their own host buffers: start at once, no task of our own
+            try:
+                sync = self._syncers[scheme].start(self._bucket(state, layer, scheme), state.clock)
+            except Exception as exc:  # noqa: BLE001 - it fails the step, as a failed sync does
+                sync = self._loop.create_future()
+                sync.set_exception(exc)
+        sync.add_done_callback(lambda fut: self._synced(state, scheme, span, fut))
+        state.syncs.append(sync)
 
-    async def _sync(self, state: _Step, layer: Layer, scheme: Scheme) -> None:
-        bucket = await self._bucket(state, layer, scheme)
-        result = await self._syncers[scheme].start(bucket, state.clock)
+    async def _staged_sync(self, state: _Step, layer: Layer, scheme: Scheme):
+        bucket = await self._loop.run_in_executor(self._reduce, self._bucket, state, layer, scheme)
+        return await self._syncers[scheme].start(bucket, state.clock)
+
+    def _synced(self, state: _Step, scheme: Scheme, span: Span, sync: asyncio.Future) -> None:
+        span.end = time.perf_counter()
+        if sync.cancelled() or sync.exception() is not None:
+            return  # the step's apply raises it
+        result = sync.result()
         state.bytes[scheme.value] = state.bytes.get(scheme.value, 0) + result.bytes_sent + result.bytes_received
         state.dropped.update(result.dropped)
         state.work.extend(result.work)
 
-    async def _bucket(self, state: _Step, layer: Layer, scheme: Scheme) -> Bucket:
-        """The layer's buffers as its scheme moves them: host views on CPU, staged copies on a GPU."""
+    def _bucket(self, state: _Step, layer: Layer, scheme: Scheme) -> Bucket:
+        """The layer's buffers as its scheme moves them: host views on CPU, staged copies on a GPU
+        (then this runs off the loop: the copies wait on a CUDA stream)."""
         params = [p for _, p in layer.params]
         priority = layer.index  # nearest the input first: it gates the next forward
         if syncer_class(scheme).host_outs:  # the wire writes host memory
@@ -556,7 +570,7 @@ class Trainer:
             else:  # unused here: K = 0
                 u, v = torch.zeros(0, m), torch.zeros(0, n)
                 state.unused.update(layer.param_ids)
-            u, v = await self._host_pair(("u", layer.index), u, ("v", layer.index), v)
+            u, v = self.staging.host(("u", layer.index), u.float()), self.staging.host(("v", layer.index), v.float())
             return Bucket(layer.name, [layer.index], layer.param_ids, outs, factors=(u, v), shape=(m, n), priority=priority)
         grads = []
         for i, p in zip(layer.param_ids, params):
@@ -564,16 +578,13 @@ class Trainer:
             if g is None:  # an unused branch: zeros
                 g = torch.zeros_like(p)
                 state.unused.add(i)
-            grads.append(await self._host(("grad", i), g.contiguous(), self._events.pop(i, None)))
+            grads.append(self.staging.host(("grad", i), g.contiguous(), self._events.pop(i, None)))
         return Bucket(layer.name, [layer.index], layer.param_ids, outs, grads=grads, priority=priority)
 
     async def _host(self, slot, tensor: torch.Tensor, event=None):
         if not self.staging.staged(tensor):
             return self.staging.host(slot, tensor)
         return await self._loop.run_in_executor(self._reduce, self.staging.host, slot, tensor, event)
-
-    async def _host_pair(self, slot_u, u, slot_v, v) -> tuple:
-        return await self._host(slot_u, u.float()), await self._host(slot_v, v.float())
 
     # -- apply ------------------------------------------------------------------------------
 
