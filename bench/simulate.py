@@ -8,12 +8,15 @@ and MG-WFBP planners. Sections, each a markdown table:
    workers for VGG19, VGG19-22K, Inception-V3 and ResNet-152, per mode: naive PS, WFBP,
    Poseidon (WFBP + HybComm over PS, SFB and all-reduce + Algorithm 1 merging: the trainer's
    default), Poseidon with the paper's HybComm (PS and SFB) and DDP (gloo's ring over 25 MiB
-   buckets); at the paper's setting, a Titan X (6 TFLOP/s effective) on 10 GbE, then 40 GbE.
+   buckets); at the paper's setting, a Titan X (6 TFLOP/s effective) on 10 GbE, then 40 GbE;
+   then the 10 GbE figures at 32 and 1024 workers with the start-up charged as latency in
+   flight instead of sender time (the two bounds of the network model).
 2. HybComm's switch points: where each fully-connected layer leaves SFB as P grows (SFB's bytes
    grow with P^2 over the cluster, the PS's with the model), beside Algorithm 1's crossover on
    bytes, ``P* = 2MN / (K(M + N))``; and how many other layers go by all-reduce.
 3. The iteration-time breakdown at 32 workers (the paper's largest cluster): compute and the
-   communication it did not hide, the busiest link's bytes, the messages.
+   communication it did not hide, the busiest link's bytes, the messages; then Poseidon (PS+SFB)
+   with and without the trainer's default merging at 64, 256 and 1024 workers.
 4. MG-WFBP on the ResNet-50 trace at 2 TFLOP/s (``bench mgwfbp``'s K80) on 10 Gbit/s: WFBP, one
    message (SyncEASGD), Algorithm 1 and the exact planner, to 64 workers and beyond, with the
    paper's start-up. MG-WFBP's measured all-reduce start-ups, 90.52, 271.56 and 633.64 us on 2,
@@ -205,6 +208,35 @@ def breakdown(results, net: str, p: int) -> list:
     return lines
 
 
+def merging_on_the_ps(models, rate, alpha, points) -> tuple:
+    """Poseidon (PS+SFB) with and without the trainer's default merging, at scale."""
+    link = Link.of_bandwidth(NETWORKS["10GbE"], alpha)
+    lines = [
+        "",
+        "Merging on the parameter server at scale: Poseidon (PS+SFB) on 10GbE without merging and with the trainer's "
+        "default (Algorithm 1). The book never splits a merge group's keys (one message per shard is what merging "
+        "buys), so once the model is under P x 2 MiB a merged group's 2 MiB units land on a few shards, and each of "
+        "those shards replies P - 1 times.",
+        "",
+        "| model | workers | speed-up, unmerged | speed-up, Algorithm 1 | groups | busiest link MB, unmerged | busiest link MB, Algorithm 1 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    summary = {}
+    for model in models:
+        tr = trace(model, PAPER_BATCH[model])
+        one = Simulator(tr, 1, rate=rate, link=link).run()
+        for p in points:
+            sim = Simulator(tr, p, rate=rate, link=link, mode="poseidon", hybcomm=PAPER_SCHEMES)
+            none, alg1 = sim.run("none"), sim.run("algorithm1")
+            lines.append(
+                f"| {model} | {p} | {none.speedup(one):.1f} | {alg1.speedup(one):.1f} | {len(alg1.groups.get('ps', ()))} | "
+                f"{none.link_bytes / 1e6:.0f} | {alg1.link_bytes / 1e6:.0f} |"
+            )
+            summary[f"{model}_{p}"] = {"unmerged": round(none.speedup(one), 1), "algorithm1": round(alg1.speedup(one), 1),
+                                       "link_mb_unmerged": round(none.link_bytes / 1e6), "link_mb_algorithm1": round(alg1.link_bytes / 1e6)}
+    return lines, summary
+
+
 # -- 4. MG-WFBP ----------------------------------------------------------------------------------
 
 
@@ -296,6 +328,26 @@ def planner_sweep(models, workers, alphas, rates) -> tuple:
             "best_ratio": round(best[0], 4), "best_case": _case(best[1]), "median_ratio": round(statistics.median(ratios), 5),
             "alg1_slower_than_unmerged": alg1_hurts, "exact_slower_than_unmerged": exact_hurts,
         }
+    lines += [
+        "",
+        "The same cases by worker count (both modes): where each planner loses, and where merging at all loses to "
+        "sending every layer alone.",
+        "",
+        "| workers | cases | exact slower | exact faster | worst ratio | Alg. 1 slower than no merging | exact slower than no merging |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    by_p = {}
+    for p in workers:
+        rs = [r for r in records if r[2] == p]
+        ratios = [o / a for *_, a, o in rs]
+        row = {
+            "cases": len(rs), "exact_slower": sum(x > 1.001 for x in ratios), "exact_faster": sum(x < 1 / 1.001 for x in ratios),
+            "worst_ratio": round(max(ratios), 3), "alg1_slower_than_unmerged": sum(a > n * 1.001 for *_, n, a, o in rs),
+            "exact_slower_than_unmerged": sum(o > n * 1.001 for *_, n, a, o in rs),
+        }
+        by_p[p] = row
+        lines.append(f"| {p} | " + " | ".join(str(v) for v in row.values()) + " |")
+    summary["by_workers"] = by_p
     return lines, summary
 
 
@@ -399,6 +451,8 @@ def main(argv=None) -> dict:
     lines += switch_lines
     p_breakdown = min(32, workers[-1])
     lines += breakdown(results, "10GbE", p_breakdown)
+    merge_lines, merge_ps = merging_on_the_ps(models, rate, alpha, [p for p in (64, 256, 1024) if p <= workers[-1]])
+    lines += merge_lines
     mg_workers = [p for p in workers if p >= 2]
     mg_lines, mg_rows = mgwfbp(mg_workers, [K80, 8e12, 32e12])
     lines += mg_lines
@@ -440,6 +494,7 @@ def main(argv=None) -> dict:
                 for p in {min(32, top), top}:
                     out[f"speedup_{model}_{key}_{net}_{p}"] = round(by_p[p].speedup(one), 2)
     out["switch_points_10GbE"] = switch
+    out["ps_merging_at_scale_10GbE"] = merge_ps
     out["planner_sweep"] = sweep
     out["figures"] = paths
     out["seconds"] = round(time.perf_counter() - started, 1)
