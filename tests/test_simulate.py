@@ -271,6 +271,8 @@ def test_bad_settings_are_config_errors():
         settings_ = dict(workers=2, rate=1e12, link=Link(0, 1e-9)) | kw
         with pytest.raises(ConfigError):
             Simulator(tr, settings_.pop("workers"), **settings_)
+    with pytest.raises(ConfigError, match="Trace"):
+        Simulator([("fc", [(4, 4)], 32.0)], 2, rate=1e12, link=Link(0, 1e-9))
     with pytest.raises(ConfigError, match="does not merge"):
         simulate(tr, 2, rate=1e12, link=Link(0, 1e-9), mode="wfbp", merge="optimal")
     with pytest.raises(ConfigError):
@@ -343,3 +345,18 @@ def test_speedup_is_throughput_over_one_worker():
     it = run(tr, 8, rate=6e12, link=TEN_GBE, mode="wfbp")
     assert it.speedup(one) == pytest.approx(8 * one.time / it.time)
     assert math.isclose(it.exposed, it.time - it.compute)
+
+
+def test_bench_simulate_prints_its_tables_without_matplotlib(monkeypatch, capsys, tmp_path):
+    # matplotlib is an optional extra ('.[bench]'): without it the bench still prints every
+    # table and its JSON line, and says where the figures would have come from.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench import simulate as bench_simulate
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = bench_simulate.main(["--models", "vgg19", "--max-workers", "4", "--sweep", "none", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert "| Poseidon |" in printed and "matplotlib is not installed" in printed
+    assert printed.strip().splitlines()[-1].startswith('{"bench": "simulate"')
+    assert out["figures"] == [] and not list(tmp_path.iterdir())
+    assert out["speedup_mgwfbp_vs_wfbp_4_sim"] is not None

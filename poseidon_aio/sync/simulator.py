@@ -479,6 +479,8 @@ class Simulator:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         rows: Optional[int] = None,
     ) -> None:
+        if not isinstance(trace, Trace):
+            raise ConfigError("the simulator takes a Trace: cluster.models.trace(name, batch) or trace_of(model, layers, batch)")
         if isinstance(workers, bool) or int(workers) != workers or workers < 1:
             raise ConfigError(f"workers must be a whole number >= 1, got {workers!r}")
         if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
