@@ -1,9 +1,10 @@
 """``python -m bench mgwfbp``: WFBP, one message per iteration (SyncEASGD) and MG-WFBP, same run.
 
 The model is ResNet-50-shaped: its 107 parameter-owning layers (53 convolutions, 53 batch norms,
-the classifier; 161 tensors, 25.6 M parameters) with their real sizes. Compute is replayed by
-sleeping for each layer's FLOPs at batch 32 on 224x224 images at ``--device-tflops`` (2 TFLOP/s:
-a K80 GPU at about two thirds of its peak, the paper's hardware), forward 1x, backward 2x.
+the classifier; 161 tensors, 25.6 M parameters) with their real sizes, from the library's trace
+(``cluster.models.trace("resnet50")``, the simulator's too). Compute is replayed by sleeping for
+each layer's FLOPs at batch 32 on 224x224 images at ``--device-tflops`` (2 TFLOP/s: a K80 GPU at
+about two thirds of its peak, the paper's hardware), forward 1x, backward 2x.
 Every gradient byte crosses a real socket between real processes.
 
 The network is the paper's 10GbE, emulated in user space on each process's outbound frames (netem
@@ -38,26 +39,11 @@ SCHEMES = ["wfbp", "single", "mgwfbp", "optimal"]
 
 
 def resnet50_layers() -> list:
-    """``[(name, [param shapes], forward FLOPs at batch 32)]`` in forward order."""
-    from poseidon_aio.cluster.models import resnet50
+    """``[(name, [param shapes], forward FLOPs at batch 32)]`` in forward order: the library's
+    trace (``poseidon_aio.cluster.models.trace``), which the simulator replays too."""
+    from poseidon_aio.cluster.models import trace
 
-    side = {"conv1": 112, "layer1": 56, "layer2": 28, "layer3": 14, "layer4": 7}
-    groups: dict = {}
-    for spec in resnet50():
-        module = spec.name.rsplit(".", 1)[0]
-        groups.setdefault(module, []).append(spec.shape)
-    layers = []
-    for module, shapes in groups.items():
-        hw = side.get(module.split(".")[0], 1) ** 2 if not module.startswith(("conv1", "bn1")) else 112 * 112
-        if len(shapes[0]) == 4:  # convolution
-            c_out, c_in, k, _ = shapes[0]
-            flops = 2 * ROWS * c_out * c_in * k * k * hw
-        elif module == "fc":
-            flops = 2 * ROWS * shapes[0][0] * shapes[0][1]
-        else:  # batch norm: a few operations per element
-            flops = 8 * ROWS * shapes[0][0] * hw
-        layers.append((module, shapes, flops))
-    return layers
+    return list(trace("resnet50", batch=ROWS))
 
 
 def _worker(rank: int, world: int, port: int, scheme: str, args: dict, out) -> None:
