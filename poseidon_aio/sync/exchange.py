@@ -30,6 +30,7 @@ import numpy as np
 
 from ..errors import ConfigError, SyncTimeout
 from ..wire import Kind
+from .compress import CompressionConfig, Feedback
 
 LAYER_SHIFT = 16
 PHASE_SHIFT = 14
@@ -259,8 +260,6 @@ class LossySyncer:
 
     @classmethod
     def build(cls, ctx):
-        from .compress import CompressionConfig, Feedback
-
         return cls(MeshExchange.of(ctx), ctx.compression or CompressionConfig(), ctx.feedback if ctx.feedback is not None else Feedback())
 
     def start(self, bucket, clock: int) -> asyncio.Task:

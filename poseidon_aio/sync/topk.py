@@ -34,13 +34,14 @@ class TopKSyncer(LossySyncer, Syncer):
     async def _sync(self, bucket, clock: int) -> SyncResult:
         step = TopKStep(bucket.label, bucket.grads, self.config.ratio, self.feedback)
         mine = await self._mesh.run(step.begin)
-        what = f"the top-k values of layer {bucket.label} at clock {clock}"
+        what = f"the top-k values of layer {bucket.label}"
         frames, sent, received = await self._mesh.allgather(
             sparse.encode(*mine), sparse.DTYPE, layer=bucket.layers[0], phase=PHASE, clock=clock, what=what, priority=bucket.priority
         )
 
         def finish() -> list:
-            parts = [mine if r == self._mesh.rank else sparse.decode(frames[r], step.dense, step.k, step.size, what=what) for r in range(self._mesh.world)]
+            where = f"{what} at clock {clock}"
+            parts = [mine if r == self._mesh.rank else sparse.decode(frames[r], step.dense, step.k, step.size, what=where) for r in range(self._mesh.world)]
             return step.finish(parts)
 
         arrays = await self._mesh.run(finish)
