@@ -404,3 +404,19 @@ def test_explain_prints_every_candidate_s_predicted_time_and_the_choice():
         capture_output=True, text=True, timeout=120, cwd=root,
     ).stdout
     assert "powersgd named, and the layer suits it" in text and "1gbit links" in text
+
+
+def test_a_link_with_a_flop_rate_charges_the_weight_gradient_to_lossy_schemes_too():
+    # Where the link carries the device's seconds per FLOP, the exact schemes count an FC layer's
+    # weight gradient (2 K M N FLOPs); a lossy scheme compresses that same gradient.
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Measured:
+        alpha: float = 1e-4
+        beta: float = 8e-8
+        flop: float = 1e-10
+
+    layer, config = _fc("fc", 512, 1024), CompressionConfig("auto")
+    plain = lossy_time(layer, Scheme.TOPK, 4, Link(1e-4, 8e-8), config, ComputeCosts(), rows=32)
+    assert lossy_time(layer, Scheme.TOPK, 4, Measured(), config, ComputeCosts(), rows=32) == pytest.approx(plain + 2 * 32 * 512 * 1024 * 1e-10)

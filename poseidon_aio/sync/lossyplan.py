@@ -39,7 +39,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..wire import half
 from .compress import Compression, CompressionConfig, Feedback, PowerSGDStep, TopKStep, rank_order_mean, split_shapes, topk_count
-from .cost import LOSSY_SCHEMES, Link, Scheme, predicted_time
+from .cost import LOSSY_SCHEMES, LayerKind, Link, Scheme, predicted_time
 from .syncer import syncer_class
 
 # Elements of the start-up measurement: a 64 x 64 and a 256 x 256 matrix. Large enough that the
@@ -142,21 +142,27 @@ def unsuited(layer, scheme: Scheme, config: CompressionConfig, *, forced: bool =
     return None
 
 
-def lossy_time(layer, scheme: Scheme, workers: int, link: Link, config: CompressionConfig, costs: ComputeCosts) -> float:
-    """Predicted seconds for lossy ``scheme`` to sync ``layer`` (the table above)."""
+def lossy_time(layer, scheme: Scheme, workers: int, link: Link, config: CompressionConfig, costs: ComputeCosts, rows: int = 0) -> float:
+    """Predicted seconds for lossy ``scheme`` to sync ``layer`` (the table above).
+
+    A link that carries the device's seconds per FLOP (``flop``) makes the exact schemes count an
+    FC layer's weight gradient, ``2 K M N`` FLOPs in autograd (``cost.predicted_time``); every
+    lossy scheme compresses that same gradient, so it counts it alike (``rows`` is K).
+    """
     if workers < 2:
         return 0.0
     mats, vec = split_shapes(layer.params)
     d = sum(m * n for m, n in mats)
     spread = 2 * (workers - 1) / workers
+    gemm = 2.0 * rows * layer.shape.m * layer.shape.n * getattr(link, "flop", 0.0) if layer.shape.kind is LayerKind.FC else 0.0
     if scheme is Scheme.FP16:
-        return 2 * link.alpha + link.beta * spread * half.ITEM_BYTES * (d + vec) + costs.of(scheme, d + vec)
+        return 2 * link.alpha + link.beta * spread * half.ITEM_BYTES * (d + vec) + costs.of(scheme, d + vec) + gemm
     if scheme is Scheme.POWERSGD:
         floats = sum(min(config.rank, m, n) * (m + n) for m, n in mats) + vec
-        return 4 * link.alpha + link.beta * spread * 4 * floats + costs.of(scheme, d)
+        return 4 * link.alpha + link.beta * spread * 4 * floats + costs.of(scheme, d) + gemm
     if scheme is Scheme.TOPK:
         k = topk_count(d, config.ratio)
-        return link.alpha + link.beta * (workers - 1) * (4 * vec + 8 * k) + costs.of(scheme, d)
+        return link.alpha + link.beta * (workers - 1) * (4 * vec + 8 * k) + costs.of(scheme, d) + gemm
     raise ConfigError(f"{scheme.value} is not a lossy scheme")
 
 
@@ -197,7 +203,7 @@ class LossyPlanner:
         for scheme in self.config.schemes:
             why = unsuited(layer, scheme, self.config)
             if why is None:
-                lossy[scheme] = times[scheme.value] = lossy_time(layer, scheme, workers, link, self.config, self.costs)
+                lossy[scheme] = times[scheme.value] = lossy_time(layer, scheme, workers, link, self.config, self.costs, rows)
             else:
                 reasons[scheme] = why
         if self.config.method is not Compression.AUTO:
