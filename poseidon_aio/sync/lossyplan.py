@@ -79,6 +79,13 @@ def measure_compute(config: CompressionConfig, sizes=CALIBRATION_ELEMENTS, repea
     What is timed is the code the syncers run for one layer: fp16's encode and decode twice (its
     contribution and the mean), PowerSGD's three stages with a rank-order mean standing in for
     each all-reduce, top-k's selection and its rank-order sum of two ranks' parts.
+
+    Returns:
+        :class:`ComputeCosts` with a fit per lossy scheme (times vary run to run: the trainer
+        uses rank 0's on every rank).
+
+    >>> sorted(measure_compute(CompressionConfig(), sizes=(64, 256), repeats=1).fits)
+    ['fp16', 'powersgd', 'topk']
     """
     rng = np.random.default_rng(0)
     samples: dict = {s.value: [] for s in LOSSY_SCHEMES}
@@ -122,6 +129,10 @@ def unsuited(layer, scheme: Scheme, config: CompressionConfig, *, forced: bool =
 
     ``forced`` (a per-layer override): only what the scheme needs (float32 matrices), not the
     size threshold or PowerSGD's compression rate.
+
+    >>> from poseidon_aio.sync import LayerShape, PlanLayer
+    >>> unsuited(PlanLayer(LayerShape("bn", "other", 128, 1), False, params=((64,), (64,))), Scheme.TOPK, CompressionConfig())
+    'no matrix parameter (a bias, a norm)'
     """
     mats, _ = split_shapes(layer.params)
     if not layer.params:
