@@ -22,6 +22,7 @@ _LAZY = {
     "StragglerPolicy": ("poseidon_aio.ps", "StragglerPolicy"),
     "ServerSGD": ("poseidon_aio.ps", "ServerSGD"),
     "NetConfig": ("poseidon_aio.net", "NetConfig"),
+    "CompressionConfig": ("poseidon_aio.sync", "CompressionConfig"),
     "run": ("poseidon_aio.net", "run"),
 }
 

@@ -113,12 +113,16 @@ def _explain(args: argparse.Namespace) -> int:
     if not layers:
         print("give --model or one or more --fc MxN", file=sys.stderr)
         return 2
+    if args.compression and not args.bandwidth:
+        args.bandwidth = "1gbit"  # compute seconds cannot be weighed against a bytes-only link
     try:
         candidates = tuple(Scheme(s) for s in args.schemes.split(","))
         link = Link.of_bandwidth(_rate(args.bandwidth), args.alpha * 1e-6) if args.bandwidth else Link(args.alpha * 1e-6, 1.0)
     except ValueError as exc:
         print(f"explain: {exc}", file=sys.stderr)
         return 2
+    if args.compression:
+        return _explain_compression(args, candidates, link)
     servers = args.servers or args.workers
     keys = ("ps_worker", "ps_combined", "sfb", "adam", "allreduce", "chosen", "hybcomm_floats", "cluster_ps", "cluster_sfb", "cluster_adam")
     rows, totals = [], {k: 0.0 for k in keys}
@@ -165,6 +169,73 @@ def _explain(args: argparse.Namespace) -> int:
     )
     what = f"{args.bandwidth} links, alpha {args.alpha:g} us" if args.bandwidth else "bytes only (give --bandwidth and --alpha for times)"
     print(f"hybcomm: the least predicted time among {', '.join(c.value for c in candidates)} on {what}; ties go to the paper's choice")
+    return 0
+
+
+def _plan_layers(args: argparse.Namespace) -> list:
+    """The layers of ``--model`` / ``--fc`` as the plan sees them, with their parameters' shapes."""
+    from .sync.cost import LayerShape, layers_of_manifest
+    from .sync.plan import PlanLayer
+
+    out = []
+    if args.model:
+        from .cluster.models import PRESETS
+
+        specs = list(PRESETS[args.model]())
+        shapes: dict = {}
+        for spec in specs:
+            shapes.setdefault(spec.name.rpartition(".")[0], []).append(tuple(spec.shape))
+        for layer in layers_of_manifest(specs, rows=args.batch):
+            out.append(PlanLayer(layer, layer.kind.value == "fc", params=tuple(shapes[layer.name])))
+    for i, text in enumerate(args.fc or []):
+        m, n = (int(x) for x in text.lower().split("x"))
+        out.append(PlanLayer(LayerShape(f"fc{i}", "fc", m, n, rows=args.batch, bias=True), True, params=((m, n), (m,))))
+    return out
+
+
+def _explain_compression(args: argparse.Namespace, candidates: tuple, link) -> int:
+    """Per layer: every candidate's predicted time (exact schemes and the lossy ones it suits),
+    the choice and why, with the compression compute measured on this machine."""
+    import json
+
+    from .errors import ConfigError
+    from .sync.compress import CompressionConfig
+    from .sync.lossyplan import LossyPlanner, measure_compute
+    from .sync.plan import Mode, choose_schemes
+
+    try:
+        config = CompressionConfig(args.compression, rank=args.rank, ratio=args.ratio, min_elements=args.min_elements)
+    except ConfigError as exc:
+        print(f"explain: {exc}", file=sys.stderr)
+        return 2
+    layers = _plan_layers(args)
+    servers = args.servers or args.workers
+    costs = measure_compute(config)
+    report: dict = {}
+    rows = {layer.name: layer.shape.rows for layer in layers}
+    choose_schemes(layers, rows, mode=Mode.POSEIDON, workers=args.workers, shards=servers, link=link, candidates=candidates,
+                   compression=LossyPlanner(config, costs), report=report)
+    if args.json:
+        out = {
+            "workers": args.workers, "servers": servers, "alpha_s": link.alpha, "beta_s_per_byte": link.beta,
+            "compression": json.loads(config.settings()), "compute": json.loads(costs.to_json()),
+            "layers": [
+                {"name": name, "params": [list(p) for p in layer.params], "predicted_s": w.times, "exact": w.exact.value, "choice": w.choice.value, "why": w.why}
+                for layer, (name, w) in zip(layers, report.items())
+            ],
+        }
+        print(json.dumps(out))
+        return 0
+    seen = {s for w in report.values() for s in w.times}
+    names = [s for s in [*(c.value for c in candidates), *(s.value for s in config.schemes)] if s in seen]
+    print(f"predicted ms per layer sync (P1={args.workers} workers, P2={servers} shards, {args.bandwidth} links, alpha {args.alpha:g} us; "
+          f"compression {config.method.value}: PowerSGD rank {config.rank}, top-k {config.ratio:g}, exact under {config.min_elements} elements)")
+    print(f"{'layer':<24} {'elements':>10} " + " ".join(f"{n:>9}" for n in names) + "  choice     why")
+    for layer, (name, w) in zip(layers, report.items()):
+        cells = " ".join(f"{w.times[n] * 1e3:>9.3f}" if n in w.times else f"{'-':>9}" for n in names)
+        print(f"{name[:24]:<24} {layer.shape.params:>10} {cells}  {w.choice.value:<10} {w.why}")
+    lossy = [name for name, w in report.items() if w.choice.value not in {c.value for c in candidates}]
+    print(f"lossy: {len(lossy)} of {len(report)} layers; compute measured here, seconds = a + b x elements: {costs.to_json()}")
     return 0
 
 
@@ -250,6 +321,11 @@ def main(argv=None) -> int:
     explain.add_argument("--bandwidth", help="each worker's link, e.g. 1gbit, 100mbit or bytes/s (default: compare bytes)")
     explain.add_argument("--alpha", type=float, default=0.0, help="start-up per round of messages, microseconds")
     explain.add_argument("--schemes", default="ps,sfb,allreduce", help="what HybComm weighs (the paper's: ps,sfb)")
+    explain.add_argument("--compression", choices=["auto", "fp16", "powersgd", "topk"],
+                         help="weigh lossy schemes too: per layer every candidate's predicted time and the choice (link: --bandwidth, default 1gbit)")
+    explain.add_argument("--rank", type=int, default=4, help="PowerSGD's rank (with --compression)")
+    explain.add_argument("--ratio", type=float, default=0.01, help="top-k's density (with --compression)")
+    explain.add_argument("--min-elements", type=int, default=16384, help="matrix elements under which a layer stays exact (with --compression)")
     explain.add_argument("--json", action="store_true")
     explain.set_defaults(func=_explain)
     runner = sub.add_parser("run", help="start N local workers of a script (a thin wrapper over torchrun)")

@@ -7,17 +7,33 @@ buffers out. Nothing here imports torch; the sufficient-factor kernel is passed 
 from .adam import AdamSyncer
 from .allreduce import AllReduceSyncer
 from .bucket import Bucket
-from .cost import HYBCOMM_SCHEMES, PAPER_SCHEMES, LayerKind, LayerShape, Link, Scheme, best_scheme, hybcomm_choice, layer_cost
+from .compress import Compression, CompressionConfig, Feedback
+from .cost import HYBCOMM_SCHEMES, LOSSY_SCHEMES, PAPER_SCHEMES, LayerKind, LayerShape, Link, Scheme, best_scheme, hybcomm_choice, layer_cost
+from .half import HalfSyncer
+from .lossyplan import ComputeCosts, LossyPlanner, Weighing, measure_compute
 from .merge import Merging
 from .plan import Mode, PlanLayer, choose_schemes
+from .powersgd import PowerSGDSyncer
 from .ps import PSSyncer
 from .runtime import CALIBRATION_SIZES, MergeConfig, MergeKind, MergeRuntime
 from .sfb import SFBSyncer
 from .syncer import SYNCERS, SyncContext, Syncer, SyncResult, register, syncer_class
+from .topk import TopKSyncer
 
 __all__ = [
     "AdamSyncer",
     "AllReduceSyncer",
+    "Compression",
+    "CompressionConfig",
+    "ComputeCosts",
+    "Feedback",
+    "HalfSyncer",
+    "LOSSY_SCHEMES",
+    "LossyPlanner",
+    "PowerSGDSyncer",
+    "TopKSyncer",
+    "Weighing",
+    "measure_compute",
     "HYBCOMM_SCHEMES",
     "Link",
     "PAPER_SCHEMES",

@@ -46,10 +46,16 @@ class Scheme(str, enum.Enum):
     SFB = "sfb"  # sufficient factor broadcasting over the worker mesh
     ADAM = "adam"  # Project Adam: factors to the PS, full matrices back
     ALLREDUCE = "allreduce"  # reduce-scatter + all-gather over the worker mesh
+    # Lossy (sync/compress.py): opt-in with Trainer(compression=...); their time model, which
+    # adds measured compute to alpha and beta, is sync/lossyplan.py's.
+    FP16 = "fp16"  # all-reduce with scaled half-precision payloads, fp32 sums
+    POWERSGD = "powersgd"  # rank-r PowerSGD with error feedback (Vogels et al. 2019)
+    TOPK = "topk"  # each rank's k largest entries, error feedback, all-gathered
 
 
 PAPER_SCHEMES = (Scheme.PS, Scheme.SFB)  # what ATC'17's HybComm chooses between
 HYBCOMM_SCHEMES = (Scheme.PS, Scheme.SFB, Scheme.ALLREDUCE)
+LOSSY_SCHEMES = (Scheme.FP16, Scheme.POWERSGD, Scheme.TOPK)
 
 
 class LayerKind(str, enum.Enum):

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from ..errors import ConfigError
-from .cost import HYBCOMM_SCHEMES, PAPER_SCHEMES, LayerShape, Link, Scheme, best_scheme, hybcomm_choice
+from .compress import CompressionConfig
+from .cost import HYBCOMM_SCHEMES, LOSSY_SCHEMES, PAPER_SCHEMES, LayerShape, Link, Scheme, best_scheme, hybcomm_choice
+from .lossyplan import unsuited
 from .syncer import syncer_class
 
 
@@ -28,10 +30,14 @@ class Mode(str, enum.Enum):
 @dataclass(frozen=True)
 class PlanLayer:
     """A layer as the plan sees it: its shape for the cost model, and whether it has sufficient
-    factors at all (an unshared float32 fully-connected layer)."""
+    factors at all (an unshared float32 fully-connected layer); for the lossy schemes, its
+    parameters' shapes (a convolution's kernel is a matrix to PowerSGD) and whether all are
+    float32."""
 
     shape: LayerShape
     factorable: bool
+    params: tuple = ()
+    float32: bool = True
 
     @property
     def name(self) -> str:
@@ -49,6 +55,8 @@ def choose_schemes(
     link: Link = Link(),
     candidates=HYBCOMM_SCHEMES,
     chunk_bytes: int = 2 << 20,
+    compression=None,
+    report: Optional[dict] = None,
 ) -> dict:
     """``{layer name: Scheme}``.
 
@@ -59,6 +67,9 @@ def choose_schemes(
         link: the measured alpha and beta (default: bytes only, as the paper counts).
         candidates: the schemes HybComm weighs in mode ``poseidon`` by their predicted time on
             ``link``; exactly the paper's (PS and SFB) is Algorithm 1 on bytes, as ATC'17 writes it.
+        compression: a :class:`~poseidon_aio.sync.lossyplan.LossyPlanner`: in mode ``poseidon``
+            each layer's exact choice is then weighed against the lossy schemes (its rule).
+        report: filled with ``{layer name: Weighing}`` (candidates, predicted times, choice).
     Raises:
         ConfigError: an override names a scheme the layer cannot use, a layer the model does not
             have, or a scheme the mode does not use.
@@ -77,6 +88,10 @@ def choose_schemes(
                     f"layer {layer.name} ({layer.shape.kind.value}) cannot go by {scheme.value}: only an unshared "
                     "float32 nn.Linear has sufficient factors"
                 )
+            if scheme in LOSSY_SCHEMES:
+                why = unsuited(layer, scheme, compression.config if compression else CompressionConfig(), forced=True)
+                if why:
+                    raise ConfigError(f"layer {layer.name} cannot go by {scheme.value}: {why}")
         elif mode is Mode.POSEIDON and set(candidates) == set(PAPER_SCHEMES):
             # The paper's HybComm: Algorithm 1, on bytes (a layer never called has no K: PS).
             factored = layer.factorable and rows.get(layer.name)
@@ -88,6 +103,11 @@ def choose_schemes(
             scheme = hybcomm_choice(layer.shape.with_rows(rows.get(layer.name, 0)), workers, shards, link=link, candidates=usable, chunk_bytes=chunk_bytes)
         else:
             scheme = Scheme.PS
+        if want is None and compression is not None and mode is Mode.POSEIDON and workers > 1:
+            weighing = compression.weigh(layer, rows.get(layer.name, 0), scheme, candidates, workers, shards, link, chunk_bytes)
+            scheme = weighing.choice
+            if report is not None:
+                report[layer.name] = weighing
         if mode is not Mode.POSEIDON and scheme is not Scheme.PS:
             raise ConfigError(f"mode {mode.value!r} syncs every layer by PS; use mode='poseidon' for {scheme.value} overrides")
         out[layer.name] = scheme

@@ -44,13 +44,14 @@ from ..ps import PSConfig, PSNode
 from ..sync import (
     HYBCOMM_SCHEMES,
     Bucket,
+    CompressionConfig,
+    Feedback,
     Link,
     Merging,
     MergeConfig,
     MergeKind,
     MergeRuntime,
     Mode,
-    PlanLayer,
     Scheme,
     SyncContext,
     choose_schemes,
@@ -59,6 +60,7 @@ from ..sync import (
 from ..sync.runtime import calibrate, link_of
 from ..sync import broadcast
 from . import checkpoint
+from . import compression as lossy
 from .layers import FactorCapture, GradReady, Layer, discover
 from .staging import Staging
 from .trace import Span, TraceConfig, Tracer
@@ -148,6 +150,12 @@ class Trainer:
         trace: :class:`TraceConfig` (default: a trace only if ``$POSEIDON_TRACE`` is set).
         broadcast_buffers: at the end of every step, send rank 0's buffers (BatchNorm running
             statistics) to every rank, so replicas (and a model saved on any rank) stay identical.
+        compression: lossy gradient compression, opt-in (default ``None``: every layer exact):
+            ``"auto"`` (HybComm weighs fp16, PowerSGD and top-k beside the exact schemes, per
+            layer, by predicted time including their measured compute), ``"fp16"``,
+            ``"powersgd"`` or ``"topk"`` (that method wherever it suits a layer, exact
+            elsewhere), or a :class:`~poseidon_aio.sync.CompressionConfig` (PowerSGD's rank,
+            top-k's ratio, the size threshold, a stated link to plan for). Mode ``poseidon`` only.
         env: the launcher environment (default: ``RANK``, ``WORLD_SIZE``, ... from the environment).
         rendezvous: an already started :class:`Rendezvous` (a ``job`` view), to run several
             trainers one after another over one store.
@@ -176,6 +184,7 @@ class Trainer:
         bandwidth: Optional[ShaperConfig] = None,
         trace: Optional[TraceConfig] = None,
         broadcast_buffers: bool = True,
+        compression=None,
         env: Optional[ClusterEnv] = None,
         rendezvous: Optional[Rendezvous] = None,
     ) -> None:
@@ -217,6 +226,13 @@ class Trainer:
             raise ConfigError(f"hybcomm names a scheme that does not exist: {list(hybcomm)}; known: {[s.value for s in Scheme]}") from None
         self.merge = merge
         self.broadcast_buffers = broadcast_buffers
+        self.compression = CompressionConfig.of(compression)
+        if self.compression is not None and mode is not Mode.POSEIDON:
+            raise ConfigError(f"compression is weighed per layer by HybComm: use mode 'poseidon', not {mode.value!r}")
+        #: Error feedback of the lossy schemes, per layer (kept across syncer rebuilds, checkpointed).
+        self.feedback = Feedback()
+        #: The lossy plan: ``{layer name: Weighing}`` (candidates, predicted seconds, choice, why).
+        self.compression_plan: dict = {}
         self.tracer = Tracer(trace or TraceConfig())
         self.env = env
         self._given_rdzv = rendezvous
@@ -373,6 +389,7 @@ class Trainer:
             # The snapshot is taken before the barrier below, so no rank can push the next clock
             # into this shard before its state is copied.
             "shard": {k: torch.from_numpy(v) for k, v in shard.state().items()} if shard is not None else {},
+            "compression": lossy.checkpoint_state(self.feedback, self.compression),
         }
         clock = self.clock
         await self._loop.run_in_executor(
@@ -410,6 +427,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
+        lossy.restore_state(self.feedback, self.compression, state.get("compression"), state.get("schemes") or {})
         self.clock = clock
         self.merge_info = json.loads(state["merge_info"])
         self._restored = state
@@ -635,12 +653,17 @@ class Trainer:
             rows = await self._loop.run_in_executor(self._compute, self._measure_rows, batch)
             seen = await self._job.rendezvous.exchange("rows", json.dumps(rows), range(self.world))
             k = {name: max(json.loads(seen[r]).get(name, 0) for r in seen) for name in rows}
-            plan_layers = [PlanLayer(layer.shape(), layer.factorable) for layer in self.layers]
+            plan_layers = [lossy.plan_layer(layer) for layer in self.layers]
+            on_compute = lambda fn, *args: self._loop.run_in_executor(self._compute, fn, *args)  # noqa: E731
+            planner = await lossy.agreed_planner(self.compression, self._job.rendezvous, self.rank, self.world, on_compute)
+            stated = self.compression.link if self.compression is not None else None
             by_name = choose_schemes(
                 plan_layers, k, mode=self.mode, workers=self.world, shards=self.ps_config.shards_for(self.world),
-                overrides=self.overrides, link=await self._agreed_link(), candidates=self.hybcomm,
-                chunk_bytes=self.ps_config.chunk_bytes,
+                overrides=self.overrides, link=stated or await self._agreed_link(), candidates=self.hybcomm,
+                chunk_bytes=self.ps_config.chunk_bytes, compression=planner, report=self.compression_plan,
             )
+            if self.compression_plan:
+                log.info("rank %d: lossy plan\n%s", self.rank, lossy.describe(self.compression_plan))
         self.schemes = {layer.index: Scheme(by_name[layer.name]) for layer in self.layers}
         plan = json.dumps({layer.name: self.schemes[layer.index].value for layer in self.layers})
         await self._job.rendezvous.check_digest("scheme plan", plan)
@@ -711,6 +734,7 @@ class Trainer:
         ctx = SyncContext(
             self.rank, self.world, self._job.peers, self.ps_config.sync_timeout, node=self._node, ps_index=ps_index,
             reconstruct=kernels.reconstruct, executor=self._reduce, chunk_bytes=self.ps_config.chunk_bytes,
+            compression=self.compression, feedback=self.feedback,
         )
         self._syncers = {scheme: syncer_class(scheme).build(ctx) for scheme in used}
         if self.merge.kind is not MergeKind.NONE:
