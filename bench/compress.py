@@ -36,12 +36,10 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
-from bench import BENCH_TOKEN, free_port
+from bench import launch
 
 IMPLS = ["ddp", "ddp_powersgd", "ddp_fp16", "exact", "auto"]
 RATES = {"1gbit": ("1gbit", 125e6), "100mbit": ("100mbit", 12.5e6)}
@@ -136,38 +134,9 @@ def worker(cfg: dict) -> None:
 
 
 def run_config(impl: str, model: str, world: int, link: str, args, namespaces) -> dict:
-    port = free_port()
-    master = "10.77.0.1" if namespaces else "127.0.0.1"
     shaper_rate = RATES[link][1] if not namespaces and not impl.startswith("ddp") else None
-    procs, outs = [], []
-    tmp = tempfile.mkdtemp(prefix="bench-compress-")
-    for rank in range(world):
-        out = os.path.join(tmp, f"rank{rank}.json")
-        outs.append(out)
-        cfg = dict(impl=impl, model=model, tflops=args.device_tflops, rank=rank, world=world, rank_r=args.rank,
-                   warmup=args.warmup, steps=args.steps, out=out, shaper_rate=shaper_rate)
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": master, "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "POSEIDON_TOKEN": BENCH_TOKEN,
-               "GLOO_SOCKET_IFNAME": "eth0" if namespaces else "lo", "PYTHONPATH": os.getcwd()}
-        command = [sys.executable, "-m", "bench.compress", "--worker", json.dumps(cfg)]
-        if namespaces:
-            command = ["ip", "netns", "exec", namespaces[rank], *command]
-        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    deadline = time.monotonic() + args.timeout
-    for p in procs:
-        try:
-            p.wait(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise RuntimeError(f"{impl} {model} x{world} on {link} did not finish within {args.timeout} s")
-    failed = [p for p in procs if p.returncode != 0]
-    if failed:
-        raise RuntimeError(f"{impl} {model} x{world} on {link} failed:\n{failed[0].stderr.read()[-3000:]}")
-    ranks = []
-    for out in outs:
-        with open(out) as f:
-            ranks.append(json.load(f))
+    cfg = dict(impl=impl, model=model, tflops=args.device_tflops, rank_r=args.rank, warmup=args.warmup, steps=args.steps, shaper_rate=shaper_rate)
+    ranks = launch("bench.compress", world, cfg, namespaces=namespaces, timeout=args.timeout, what=f"{impl} {model} x{world} on {link}")
     steps = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]  # the job's step: its slowest rank's
     return {"step_s": statistics.median(steps), "rank0": ranks[0]}
 
