@@ -137,7 +137,10 @@ def build(name: str, seed: int = 0):
 # -- replay -----------------------------------------------------------------------------------
 
 
-class _Replay(torch.autograd.Function):
+class Replay(torch.autograd.Function):
+    """A layer's compute replayed: sleep ``layer.replay_fwd_s`` forward (twice that backward, once
+    without a weight gradient), return ``layer.replay_out`` and ``layer.replay_grads``."""
+
     @staticmethod
     def forward(ctx, x, layer, *params):
         ctx.layer, ctx.x_shape, ctx.x_dtype = layer, x.shape, x.dtype
@@ -184,7 +187,7 @@ def replay(model: nn.Module, batch, tflops: float) -> nn.Module:
         m.replay_grads = [torch.randn_like(p) * 1e-3 for p in params]
         m.replay_skip_weight_grad = False
         # A subclass with its own forward: the trainer then sees a layer with custom compute.
-        m.__class__ = type(f"Replayed{type(m).__name__}", (type(m),), {"forward": lambda self, x, *a, **k: _Replay.apply(x, self, *self.parameters(recurse=False))})
+        m.__class__ = type(f"Replayed{type(m).__name__}", (type(m),), {"forward": lambda self, x, *a, **k: Replay.apply(x, self, *self.parameters(recurse=False))})
     return model
 
 

@@ -77,29 +77,16 @@ def build_model(layers: list, tflops: float, dilation: float, scale: float):
     import torch
     from torch import nn
 
+    from bench.models import Replay
+
     rate = tflops * 1e12
-
-    class Replay(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, layer, *params):
-            ctx.layer, ctx.x_shape = layer, x.shape
-            time.sleep(layer.fwd_s)
-            return layer.out.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            layer = ctx.layer
-            time.sleep(layer.fwd_s * (1 if layer.skip_weight_grad else 2))
-            grad_x = torch.zeros(ctx.x_shape) if ctx.needs_input_grad[0] else None
-            grads = (None,) * len(layer.grads) if layer.skip_weight_grad else layer.grads
-            return (grad_x, None, *grads)
 
     class Linear(nn.Linear):
         def __init__(self, m: int, n: int, rows: int, flops: float, bias: bool) -> None:
             super().__init__(n, m, bias=bias)
-            self.fwd_s, self.skip_weight_grad = flops / rate * dilation, False
-            self.out = torch.zeros(rows, m)
-            self.grads = [torch.randn_like(p) * 1e-3 for p in self.parameters()]
+            self.replay_fwd_s, self.replay_skip_weight_grad = flops / rate * dilation, False
+            self.replay_out = torch.zeros(rows, m)
+            self.replay_grads = [torch.randn_like(p) * 1e-3 for p in self.parameters()]
 
         def forward(self, x):
             return Replay.apply(x, self, *self.parameters())
@@ -108,9 +95,9 @@ def build_model(layers: list, tflops: float, dilation: float, scale: float):
         def __init__(self, shapes, flops: float, out_shape) -> None:
             super().__init__()
             self.params = nn.ParameterList([nn.Parameter(torch.zeros(s)) for s in shapes])
-            self.fwd_s, self.skip_weight_grad = flops / rate * dilation, False
-            self.out = torch.zeros(out_shape)
-            self.grads = [torch.randn(s) * 1e-3 for s in shapes]
+            self.replay_fwd_s, self.replay_skip_weight_grad = flops / rate * dilation, False
+            self.replay_out = torch.zeros(out_shape)
+            self.replay_grads = [torch.randn(s) * 1e-3 for s in shapes]
 
         def forward(self, x):
             return Replay.apply(x, self, *self.params)
@@ -175,7 +162,7 @@ def worker(cfg: dict) -> None:
                     times.append(time.perf_counter() - started)
                     if t == 0:  # layers synced by factors compute no weight gradient (train.layers)
                         for module, scheme in zip(model, stats[0].schemes.values()):
-                            module.skip_weight_grad = scheme in ("sfb", "adam")
+                            module.replay_skip_weight_grad = scheme in ("sfb", "adam")
             return stats, trainer.merge_info
 
         stats, info = poseidon_aio.run(main())
@@ -214,6 +201,42 @@ def run(model: str, impl: str, world: int, args, rate_bits: float) -> dict:
     return out
 
 
+def simulate_beside(results: dict, args, rate_bits: float) -> tuple:
+    """The simulator (poseidon_aio.sync.simulator) at every emulated point, full size, same rate and
+    link, start-up ``--alpha-us`` per message; and MG-WFBP at 64 workers on ResNet-50 with the
+    paper's start-up (``bench simulate``'s case). Returns (markdown lines, max relative error,
+    MG-WFBP speed-up over WFBP)."""
+    from poseidon_aio.cluster.models import trace
+    from poseidon_aio.sync.cost import Link
+    from poseidon_aio.sync.simulator import Simulator
+    from poseidon_aio.wire import Kind
+
+    from bench.simulate import paper_startup
+
+    link = Link.of_bandwidth(rate_bits / 8, args.alpha_us * 1e-6)
+    lines = [
+        f"Simulated vs emulated iteration, ms (simulator: same model trace, {args.device_tflops:g} TFLOP/s, the full-size link, "
+        f"{args.alpha_us:g} us start-up per message); error = |sim - emulated| / emulated",
+        "",
+        "| model | workers | scheme | emulated | simulated | error |",
+        "|---|---|---|---|---|---|",
+    ]
+    errors = []
+    for (model, world, impl), res in sorted(results.items()):
+        mode = impl if world > 1 else "wfbp"
+        sim = Simulator(trace(model, args.batch), world, rate=args.device_tflops * 1e12, link=link, mode=mode).run()
+        err = abs(sim.time - res["step_s"]) / res["step_s"]
+        errors.append(err)
+        lines.append(f"| {model} | {world} | {impl} | {res['step_s'] * 1e3:.0f} | {sim.time * 1e3:.0f} | {err * 100:.1f} % |")
+    tr = trace("resnet50", 32)
+    sim = Simulator(tr, 64, rate=2e12, link=Link.of_bandwidth(10e9 / 8, paper_startup(64)), mode="mgwfbp", costed=[Kind.PUSH])
+    wfbp, merged = sim.run("none"), sim.run()
+    mg = wfbp.time / merged.time
+    lines += ["", f"MG-WFBP (Algorithm 1) vs WFBP, simulated, ResNet-50, 64 workers, 2 TFLOP/s, 10 Gbit/s, a(64) = "
+              f"{paper_startup(64) * 1e3:.2f} ms per push: {wfbp.time * 1e3:.0f} -> {merged.time * 1e3:.0f} ms, {mg:.2f} x", ""]
+    return lines, (max(errors) if errors else None), mg
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench paper", description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -225,6 +248,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--scale", type=float, default=16.0, help="every layer's bytes and the link rate divided by this")
     parser.add_argument("--dilation", type=float, default=10.0, help="compute and link slowed by this; times divided back")
     parser.add_argument("--device-tflops", type=float, default=4.2)
+    parser.add_argument("--alpha-us", type=float, default=50.0, help="start-up per message the simulator charges (our event loop's, measured ~50 us)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=4, help="untimed iterations (merging is planned after 3)")
     parser.add_argument("--timeout", type=float, default=1800)
@@ -274,10 +298,16 @@ def main(argv=None) -> dict:
                 if r and single:
                     summary[f"speedup_{model}_{impl}_{world}w"] = round(world * single / r["step_s"], 2)
         lines.append("")
+    sim_error = mg_sim = None
+    if args.simulate:
+        sim_lines, sim_error, mg_sim = simulate_beside(results, args, rate_bits)
+        lines += sim_lines
     print("\n".join(lines))
     out = {
         "bench": "paper",
         "speedup_vgg19_22k_16w": summary.get("speedup_vgg19_22k_poseidon_16w"),
+        "sim_vs_emulated_max_error": round(sim_error, 3) if sim_error is not None else None,
+        "speedup_mgwfbp_vs_wfbp_64_sim": round(mg_sim, 3) if mg_sim is not None else None,
         "scale": args.scale,
         "dilation": args.dilation,
         "device_tflops": args.device_tflops,
