@@ -360,3 +360,23 @@ def test_bench_simulate_prints_its_tables_without_matplotlib(monkeypatch, capsys
     assert printed.strip().splitlines()[-1].startswith('{"bench": "simulate"')
     assert out["figures"] == [] and not list(tmp_path.iterdir())
     assert out["speedup_mgwfbp_vs_wfbp_4_sim"] is not None
+
+
+def test_bench_paper_scales_a_layer_s_matrix_and_its_factors_by_the_same_factor():
+    # bench paper divides every layer's bytes and the link by s: HybComm's PS-vs-SFB comparison
+    # (MN against K(M + N)) must come out as at full size, and the replayed FLOPs stay full-size.
+    from bench.paper import scaled_layers
+
+    full, scaled = scaled_layers("vgg19_22k", 32, 1), scaled_layers("vgg19_22k", 32, 16)
+    assert [layer[0] for layer in full] == [layer[0] for layer in scaled]
+    fc = 0
+    for (_, kind, shapes, rows, flops), (_, _, shapes2, rows2, flops2) in zip(full, scaled):
+        assert flops2 == flops
+        if kind == "fc":
+            fc += 1
+            (m, n), (m2, n2) = shapes[0], shapes2[0]
+            assert m * n / (m2 * n2) == pytest.approx(16, rel=0.01)
+            assert rows * (m + n) / (rows2 * (m2 + n2)) == pytest.approx(16, rel=0.01)
+        elif math.prod(shapes[0]) > 1 << 16:
+            assert math.prod(shapes[0]) / math.prod(shapes2[0]) == pytest.approx(16, rel=0.01)
+    assert fc == 3
