@@ -49,9 +49,11 @@ def launch(module: str, world: int, cfg: dict, *, namespaces=None, timeout: floa
             for q in procs:
                 q.kill()
             raise RuntimeError(f"{what or module} did not finish within {timeout} s")
-    failed = [p for p in procs if p.returncode != 0]
+    failed = [(rank, p) for rank, p in enumerate(procs) if p.returncode != 0]
     if failed:
-        raise RuntimeError(f"{what or module} failed:\n{failed[0].stderr.read()[-3000:]}")
+        # Every failed rank's last lines: the first one is often only a peer's victim.
+        tails = "\n".join(f"rank {rank}: ...{p.stderr.read()[-1500:]}" for rank, p in failed)
+        raise RuntimeError(f"{what or module} failed on ranks {[r for r, _ in failed]}:\n{tails}")
     results = []
     for out in outs:
         with open(out) as f:

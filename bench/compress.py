@@ -170,13 +170,18 @@ def main(argv=None) -> dict:
         for model in args.models.split(","):
             results = {}
             for impl in impls:
-                if capped:
-                    with netns.hosts(args.workers, RATES[link][0]) as names:
-                        results[impl] = run_config(impl, model, args.workers, link, args, names)
-                else:
-                    results[impl] = run_config(impl, model, args.workers, link, args, None)
+                try:
+                    if capped:
+                        with netns.hosts(args.workers, RATES[link][0]) as names:
+                            results[impl] = run_config(impl, model, args.workers, link, args, names)
+                    else:
+                        results[impl] = run_config(impl, model, args.workers, link, args, None)
+                except RuntimeError as exc:  # one implementation failing is a finding, not the end of the run
+                    notes.append(f"{impl} on {model}, {link}: FAILED ({str(exc).splitlines()[0]}); see stderr")
+                    print(exc, file=sys.stderr, flush=True)
+                    continue
                 print(f"  {link} {model} x{args.workers} {impl}: {results[impl]['step_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
-            row = {"link": link, "model": model, **{i: results[i]["step_s"] for i in impls}}
+            row = {"link": link, "model": model, **{i: results[i]["step_s"] for i in impls if i in results}}
             if "auto" in results:
                 schemes = results["auto"]["rank0"].get("schemes", {})
                 row["lossy"] = {k: v for k, v in schemes.items() if v in LOSSY}
@@ -193,7 +198,7 @@ def main(argv=None) -> dict:
     ]
     fmt = lambda r, k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
     for r in rows:
-        cells = " | ".join(f"{r[i] * 1e3:.1f}" for i in impls)
+        cells = " | ".join(f"{r[i] * 1e3:.1f}" if i in r else "failed" for i in impls)
         lossy = f"{len(r['lossy'])} of {r['layers']}" if "lossy" in r else "-"
         lines.append(f"| {r['link']} | {r['model']} | {cells} | {fmt(r, 'auto_vs_ddp')} | {fmt(r, 'auto_vs_ddp_powersgd')} | {fmt(r, 'auto_vs_ddp_fp16')} | {fmt(r, 'auto_vs_exact')} | {lossy} |")
     print("\n".join(lines))
