@@ -1,16 +1,19 @@
-"""``python -m bench ps``: parameter-server aggregation against gloo ``all_reduce``, same processes.
+"""``python -m bench ps``: parameter-server aggregation and our all-reduce against gloo ``all_reduce``, same processes.
 
-Four worker processes (``--workers``) meet at one TCPStore. gloo's process group and our PS nodes
-(one co-located shard per worker) share it. For each case both aggregate the same float32 tensors,
-interleaved repeat by repeat after a barrier, after ``--warmup`` untimed rounds; a repeat's time is
-the slowest rank's, the figure the median over repeats. gloo computes the sum (then divides, to give the mean our shards return).
+Four worker processes (``--workers``) meet at one TCPStore. gloo's process group, our PS nodes
+(one co-located shard per worker) and our worker mesh (``sync.allreduce``) share it. For each case
+all three average the same float32 tensors, interleaved repeat by repeat after a barrier, after
+``--warmup`` untimed rounds; a repeat's time is the slowest rank's, the figure the median over
+repeats. gloo computes the sum (then divides, to give the mean ours return). Every tensor is its
+own sync, all started at once (what the trainer does for layers ready together).
 
-Links: ``loopback``, and ``1gbit``: every process in its own network namespace behind tc tbf
-(both directions), gloo capped exactly like us.
+Links: ``loopback``, and ``1gbit`` / ``100mbit``: every process in its own network namespace
+behind tc tbf (both directions), gloo capped exactly like us.
 
-Cases: one 64 MiB tensor; VGG19's 38 parameter tensors (143.7 M floats, 575 MB per worker); a
-chunk-size sweep (256 KiB to 16 MiB) on the 64 MiB tensor (loopback). Then the shard-load table
-for VGG19: our ~2 MiB key-value pairs against one tensor per shard (stock TensorFlow's placement).
+Cases: one 64 MiB tensor; VGG19's 38 parameter tensors (143.7 M floats, 575 MB per worker); the
+transformer of ``bench train`` (32 tensors, 0.66 M floats: many small ones); a chunk-size sweep
+(256 KiB to 16 MiB) on the 64 MiB tensor (loopback). Then the shard-load table for VGG19: our
+~2 MiB key-value pairs against one tensor per shard (stock TensorFlow's placement).
 """
 
 from __future__ import annotations
@@ -31,15 +34,24 @@ from bench import launch
 MiB = 1 << 20
 
 
-LINKS = {"loopback": None, "1gbit": "1gbit"}
+LINKS = {"loopback": None, "1gbit": "1gbit", "100mbit": "100mbit"}
+IMPLS = ("gloo", "ps", "allreduce", "direct")
+
+
+def _transformer_shapes() -> list:
+    from bench.models import build
+
+    model, _, _ = build("transformer")
+    return [list(p.shape) for p in model.parameters()]
 
 
 def _cases(args, link: str) -> list:
     from poseidon_aio.cluster.models import vgg19
 
-    cases = [("64MiB", [(16 * MiB,)], 2 * MiB)]
+    cases = [] if args.skip_64mib else [("64MiB", [(16 * MiB,)], 2 * MiB)]
     if not args.skip_vgg19:
         cases.append(("vgg19", [list(s.shape) for s in vgg19()], 2 * MiB))
+    cases.append(("transformer", _transformer_shapes(), 2 * MiB))
     if link == "loopback":
         for kib in args.sweep:
             cases.append((f"64MiB@{kib}KiB", [(16 * MiB,)], kib * 1024))
@@ -52,8 +64,12 @@ def _worker(cfg: dict) -> None:
     import torch.distributed as dist
 
     from poseidon_aio.cluster import ClusterEnv, Manifest, ParamSpec, Rendezvous
+    from poseidon_aio.cluster.mesh import Mesh
     from poseidon_aio.net import run
+    from poseidon_aio.net.credentials import config_from_env
     from poseidon_aio.ps import PSConfig, PSNode
+    from poseidon_aio.sync.allreduce import AllReduceSyncer
+    from poseidon_aio.sync.bucket import Bucket
 
     torch.set_num_threads(1)
 
@@ -61,6 +77,7 @@ def _worker(cfg: dict) -> None:
         rdzv = Rendezvous(ClusterEnv.from_env(), timeout=300)
         await rdzv.start()
         dist.init_process_group("gloo", store=dist.PrefixStore("gloo", rdzv.store), rank=rank, world_size=world)
+        mesh = await Mesh.start(rdzv.scoped("mesh"), config_from_env())
         results = {}
         for n, (name, shapes, chunk) in enumerate(cases):
             manifest = Manifest(ParamSpec(f"t{i}", s) for i, s in enumerate(shapes))
@@ -68,7 +85,10 @@ def _worker(cfg: dict) -> None:
             outs = [np.empty_like(g) for g in grads]
             gloo_bufs = [torch.empty(s) for s in shapes]
             node = await PSNode.start(manifest, PSConfig(chunk_bytes=chunk, sync_timeout=600), rendezvous=rdzv.job(f"case{n}"))
-            times = {"gloo": [], "ours": []}
+            reducers = {a: AllReduceSyncer(rank, world, mesh.peers, timeout=600, chunk_bytes=chunk, algorithm=a) for a in ("ring", "direct")}
+            reduced = [np.empty_like(g) for g in grads]
+            buckets = [Bucket(f"t{i}", [i], [i], [r], grads=[g]) for i, (g, r) in enumerate(zip(grads, reduced))]
+            times = {impl: [] for impl in IMPLS}
             for clock in range(warmup + repeats):
                 for b, g in zip(gloo_bufs, grads):
                     b.copy_(torch.from_numpy(g))
@@ -79,13 +99,20 @@ def _worker(cfg: dict) -> None:
                 await asyncio.to_thread(dist.barrier)
                 started = time.perf_counter()
                 await asyncio.gather(*(node.client.push([i], [g], [o], clock) for i, (g, o) in enumerate(zip(grads, outs))))
-                times["ours"].append(time.perf_counter() - started)
+                times["ps"].append(time.perf_counter() - started)
+                for impl, algorithm in (("allreduce", "ring"), ("direct", "direct")):
+                    await asyncio.to_thread(dist.barrier)
+                    started = time.perf_counter()
+                    await asyncio.gather(*(reducers[algorithm].start(b, clock) for b in buckets))
+                    times[impl].append(time.perf_counter() - started)
             times = {k: v[warmup:] for k, v in times.items()}
-            for o, b in zip(outs, gloo_bufs):
+            for o, r, b in zip(outs, reduced, gloo_bufs):
                 np.testing.assert_allclose(o, b.numpy(), rtol=1e-4, atol=1e-5)
+                np.testing.assert_allclose(r, b.numpy(), rtol=1e-4, atol=1e-5)
             await node.close()
             results[f"{n}:{name}"] = times
-            del grads, outs, gloo_bufs
+            del grads, outs, gloo_bufs, reduced, buckets
+        await mesh.close()
         dist.destroy_process_group()
         await rdzv.leave()
         return results
@@ -132,6 +159,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (TCP buffers, page faults)")
     parser.add_argument("--sweep", type=lambda s: [int(x) for x in s.split(",") if x], default=[256, 512, 1024, 2048, 4096, 8192, 16384], help="chunk sizes in KiB")
     parser.add_argument("--skip-vgg19", action="store_true")
+    parser.add_argument("--skip-64mib", action="store_true")
     parser.add_argument("--timeout", type=float, default=3600)
     args = parser.parse_args(argv)
     if args.worker:
@@ -156,18 +184,22 @@ def main(argv=None) -> dict:
         lines += [
             f"Aggregation across {args.workers} processes, {link}, seconds (median over {repeats} of the slowest rank)",
             "",
-            "| case | gloo all_reduce | ours (PS) | ours ÷ gloo |",
-            "|---|---|---|---|",
+            "| case | gloo all_reduce | ours (PS) | ours (all-reduce, ring) | ours (all-reduce, direct) | PS ÷ gloo | ring ÷ gloo | direct ÷ gloo |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for n, (name, _, _) in enumerate(cases):
             med = {}
-            for impl in ("gloo", "ours"):
+            for impl in IMPLS:
                 per_repeat = [max(r[f"{n}:{name}"][impl][i] for r in per_rank) for i in range(repeats)]
                 med[impl] = statistics.median(per_repeat)
-            ratio = med["ours"] / med["gloo"]
+            ratio, ar_ratio, direct_ratio = med["ps"] / med["gloo"], med["allreduce"] / med["gloo"], med["direct"] / med["gloo"]
             suffix = "" if link == "loopback" else f"_{link}"
             summary[f"ratio_vs_gloo_{name.replace('@', '_')}{suffix}"] = round(ratio, 3)
-            lines.append(f"| {name} | {med['gloo']:.3f} | {med['ours']:.3f} | {ratio:.2f} |")
+            summary[f"allreduce_vs_gloo_{name.replace('@', '_')}{suffix}"] = round(ar_ratio, 3)
+            summary[f"direct_vs_gloo_{name.replace('@', '_')}{suffix}"] = round(direct_ratio, 3)
+            lines.append(
+                f"| {name} | {med['gloo']:.3f} | {med['ps']:.3f} | {med['allreduce']:.3f} | {med['direct']:.3f} | {ratio:.2f} | {ar_ratio:.2f} | {direct_ratio:.2f} |"
+            )
         lines.append("")
     table8, mm8, tf8 = shard_load_table(8)
     print("\n".join(lines))

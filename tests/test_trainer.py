@@ -21,7 +21,10 @@ RUNS = [
     ("poseidon", "poseidon", None),
     ("again", "poseidon", None),
     ("adam", "poseidon", "adam-first-linear"),
-    ("allreduce", "poseidon", "every-allreduce"),  # all-reduce alone, merged by MG-WFBP
+    ("allreduce", "poseidon", "every-allreduce"),  # all-reduce alone (ring), merged by MG-WFBP
+    # the ring in chunks of 16 floats, and the direct algorithm
+    ("ring-chunks", "poseidon", "every-allreduce", None, {"ps": {"chunk_bytes": 64}}),
+    ("direct", "poseidon", "every-allreduce", None, {"ps": {"allreduce": "direct"}}),
     ("mixed", "poseidon", "mixed"),  # SFB, all-reduce and PS side by side
 ]
 

@@ -66,7 +66,8 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
         out = {}
         for label, mode, overrides, *rest in runs:
             merge = rest[0] if rest else None
-            extra = rest[1] if len(rest) > 1 else {}
+            extra = dict(rest[1]) if len(rest) > 1 else {}
+            ps = PSConfig(**{**ps_kwargs, **extra.pop("ps", {})})
             model = build_model(spec, seed + (rank if label == "skewed" else 0))
             if overrides == "adam-first-linear":
                 overrides = {next(n for n, m in model.named_modules() if isinstance(m, nn.Linear)): "adam"}
@@ -81,7 +82,7 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
             merging = MergeConfig(kind=merge, after=1, calibration_sizes=(4096, 65536))
             trainer = poseidon_aio.Trainer(
                 model, opt, nn.functional.cross_entropy, mode=mode, schemes=overrides,
-                ps=PSConfig(**ps_kwargs), rendezvous=rdzv.job(label), merge=merging, **extra,
+                ps=ps, rendezvous=rdzv.job(label), merge=merging, **extra,
             )
             stats = []
             async with trainer:

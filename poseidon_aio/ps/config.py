@@ -89,6 +89,10 @@ class PSConfig:
             not yet connected; past it the worker is ejected (with a straggler policy) or the
             job fails naming it. Default: what a healthy worker can be owed, ``(staleness + 2)``
             clocks of the shard's replies plus 1 MiB.
+        allreduce: how the all-reduce scheme's buckets move over the worker mesh (chunks of
+            ``chunk_bytes`` too): ``"ring"`` (one flow each way per worker, as gloo's) or
+            ``"direct"`` (every rank to every slice's owner at once; fewer sequential steps,
+            P - 1 flows each way). See ``poseidon_aio.sync.allreduce``.
     """
 
     shards: Optional[int] = None
@@ -103,6 +107,7 @@ class PSConfig:
     placement: str = "balanced"
     standalone_shards: bool = False
     outbox_bytes: Optional[int] = None
+    allreduce: str = "ring"
 
     def __post_init__(self) -> None:
         if self.shards is not None and self.shards < 1:
@@ -115,6 +120,8 @@ class PSConfig:
             raise ConfigError("PSConfig.checkpoint_every needs checkpoint_dir")
         if self.sync_timeout <= 0 or self.rendezvous_timeout <= 0:
             raise ConfigError("PSConfig timeouts must be > 0 seconds")
+        if self.allreduce not in ("ring", "direct"):
+            raise ConfigError(f"PSConfig.allreduce must be 'ring' or 'direct', got {self.allreduce!r}")
         if self.outbox_bytes is not None and self.outbox_bytes < 1:
             raise ConfigError(f"PSConfig.outbox_bytes must be >= 1 byte, got {self.outbox_bytes}")
 

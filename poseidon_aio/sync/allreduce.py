@@ -14,7 +14,20 @@ Per worker and per direction that is 2MN(P-1)/P floats, a ring all-reduce's byte
 of messages (a ring needs 2(P-1)): what a PS with co-located shards moves, but every layer spread
 over every rank, so no one link carries a small layer alone.
 
-Frame keys: ``(first layer of the bucket) << 16 | chunk``; the clock is the training clock.
+That is the ``direct`` algorithm: every rank talks to every other at once, P - 1 TCP flows each
+way per worker. On a capped link those flows share the bottleneck unevenly and the slowest owner
+sets the step (bench/RESULTS.md, "All-reduce: where the time went": 1.13-1.23 x the bytes' time
+for plain sockets in that pattern at 100 Mbit, 1.04 x for a ring). So the default is ``ring``, the
+same slices and chunks moved the way gloo moves them: P - 1 reduce-scatter steps, each rank sending
+one chunk to rank + 1 (its own part first, then what it received plus its own), so one flow leaves
+and one arrives per worker; the owner of a slice (rank q owns slice q + 1) divides the sum by P and
+it travels P - 1 all-gather steps round the ring, every rank landing the owner's bits. The sum of a
+slice runs in ring order from the rank after its owner: fixed, so replicas stay bitwise identical.
+Each chunk walks the ring on its own, so a slice's later chunks are on the wire while its first
+are being summed. A bucket too small to give every rank a chunk goes ``direct``.
+
+Frame keys: ``(first layer of the bucket) << 16 | chunk`` (direct), ``| chunk * (P - 1) + step``
+(ring); the clock is the training clock.
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ from .syncer import SyncContext, Syncer, SyncResult, register
 from .broadcast import WIRE_DTYPES
 
 CHUNKS_PER_LAYER = 1 << 16
+ALGORITHMS = ("ring", "direct")
 
 
 class _Layout:
@@ -46,6 +60,7 @@ class _Layout:
         bounds = [0]
         for r in range(world):
             bounds.append(bounds[-1] + base + (1 if r < extra else 0))
+        self._bounds = np.array(bounds)
         self.chunks = []  # (owner, start, stop) in flat elements
         for owner in range(world):
             lo, hi = bounds[owner], bounds[owner + 1]
@@ -54,6 +69,16 @@ class _Layout:
                 lo = min(hi, lo + chunk_items)
         if len(self.chunks) > CHUNKS_PER_LAYER:
             raise ConfigError(f"a bucket of {total} elements makes {len(self.chunks)} chunks; raise the chunk size")
+
+    def ring_chunks(self, chunk_items: int):
+        """``chunks[c][j] = (start, stop)``: slice ``j`` cut into the same number of chunks of at
+        most ``chunk_items``, so chunk ``c`` of every slice walks the ring together; None where a
+        chunk would be empty (fewer elements than ranks: go direct)."""
+        sizes = np.diff(self._bounds)
+        count = max(1, int(-(-int(sizes.max()) // chunk_items)))
+        if int(sizes.min()) < count:
+            return None
+        return [[(int(lo + size * c // count), int(lo + size * (c + 1) // count)) for lo, size in zip(self._bounds[:-1], sizes)] for c in range(count)]
 
     def pieces(self, start: int, stop: int) -> list:
         """``[(array, lo, hi)]`` covering flat elements ``[start, stop)``."""
@@ -77,12 +102,16 @@ class AllReduceSyncer(Syncer):
         peers: ``{rank: link}`` to every other worker.
         timeout: seconds to wait for any one part.
         chunk_bytes: the pipelining granularity (``PSConfig.chunk_bytes``: the same 2 MiB).
+        algorithm: ``"ring"`` or ``"direct"`` (``PSConfig.allreduce``; see the module's text).
     """
 
     scheme = Scheme.ALLREDUCE
     mergeable = True
 
-    def __init__(self, rank: int, world: int, peers, timeout: float, chunk_bytes: int = 2 << 20) -> None:
+    def __init__(self, rank: int, world: int, peers, timeout: float, chunk_bytes: int = 2 << 20, algorithm: str = "ring") -> None:
+        if algorithm not in ALGORITHMS:
+            raise ConfigError(f"all-reduce algorithm {algorithm!r}: use one of {', '.join(ALGORITHMS)}")
+        self.algorithm = algorithm
         self.rank = rank
         self.world = world
         self._peers = dict(peers)
@@ -93,7 +122,7 @@ class AllReduceSyncer(Syncer):
 
     @classmethod
     def build(cls, ctx: SyncContext) -> "AllReduceSyncer":
-        return cls(ctx.rank, ctx.world, ctx.peers, ctx.timeout, ctx.chunk_bytes)
+        return cls(ctx.rank, ctx.world, ctx.peers, ctx.timeout, ctx.chunk_bytes, ctx.allreduce)
 
     def start(self, bucket: Bucket, clock: int) -> asyncio.Task:
         return asyncio.ensure_future(self._sync(bucket, clock))
@@ -118,6 +147,10 @@ class AllReduceSyncer(Syncer):
                 np.copyto(o, g)
             return SyncResult()
         layout = self._layout(bucket, dtype.itemsize)
+        if self.algorithm == "ring" and self.world > 2:
+            ring = layout.ring_chunks(max(1, self._chunk_bytes // dtype.itemsize))
+            if ring is not None:
+                return await self._ring(bucket, clock, layout, ring, grads, outs, dtype, wire)
         base = bucket.layers[0] * CHUNKS_PER_LAYER
         mine = [(c, start, stop) for c, (owner, start, stop) in enumerate(layout.chunks) if owner == self.rank]
         # Register every receive before anything is sent: a part that beats its expect would be
@@ -185,6 +218,84 @@ class AllReduceSyncer(Syncer):
             offset += hi - lo
         await asyncio.gather(*(conn.send(Kind.AGGREGATE, total, key=base + c, clock=clock, dtype=wire, priority=bucket.priority) for conn in self._peers.values()))
         return total.nbytes * len(self._peers)
+
+    async def _ring(self, bucket, clock, layout, ring, grads, outs, dtype, wire) -> SyncResult:
+        P, r, steps = self.world, self.rank, self.world - 1
+        if len(ring) * steps > CHUNKS_PER_LAYER:
+            raise ConfigError(f"bucket {bucket.label} makes {len(ring)} chunks of {P} slices; raise the chunk size")
+        prev = (r - 1) % P
+        base = bucket.layers[0] * CHUNKS_PER_LAYER
+        # Every receive registered before anything is sent (see _sync). At step s rank r gets
+        # slice r - s - 1 (reduce-scatter) and slice r - s (all-gather) from rank r - 1.
+        parts, gathers = {}, {}
+        for c, slices in enumerate(ring):
+            for s in range(steps):
+                start, stop = slices[(r - s - 1) % P]
+                buf = self._take((stop - start,), dtype)
+                parts[(c, s)] = (self._peers[prev].expect(Kind.PUSH, base + c * steps + s, clock, into=buf), buf)
+                start, stop = slices[(r - s) % P]
+                into, pieces = self._landing(layout, outs, start, stop, dtype)
+                gathers[(c, s)] = (self._peers[prev].expect(Kind.AGGREGATE, base + c * steps + s, clock, into=into), into, pieces)
+        try:
+            walks = [self._walk(bucket, clock, layout, slices, c, grads, outs, parts, gathers, wire) for c, slices in enumerate(ring)]
+            sent = sum(await asyncio.gather(*walks))
+        except BaseException:
+            for fut, *_ in (*parts.values(), *gathers.values()):
+                fut.cancel()
+            raise
+        # Sent payloads are not copied (Connection.send): a buffer goes back to the pool only
+        # once the peer surely has it. A reduce-scatter part has reached rank + 1 when every
+        # all-gather step of its chunk is back here (its sum went on round the ring); what this
+        # rank sent in the all-gather has no such echo, so those buffers are left to the collector.
+        received = 0
+        for (c, s), (_, buf) in parts.items():
+            received += buf.nbytes
+            if s < steps - 1:
+                self._give(buf)
+        for (c, s), (_, into, pieces) in gathers.items():
+            received += into.nbytes
+            if pieces is not None and s == steps - 1:
+                self._give(into)
+        return SyncResult(sent, received)
+
+    async def _walk(self, bucket, clock, layout, slices, c, grads, outs, parts, gathers, wire) -> int:
+        """Chunk ``c`` of every slice round the ring: reduce-scatter, then all-gather; returns the
+        bytes this rank sent."""
+        P, r, steps = self.world, self.rank, self.world - 1
+        nxt, prev = self._peers[(r + 1) % P], (r - 1) % P
+        base = bucket.layers[0] * CHUNKS_PER_LAYER + c * steps
+        start, stop = slices[r]
+        await nxt.send(Kind.PUSH, [grads[i][lo:hi] for i, lo, hi in layout.pieces(start, stop)], key=base, clock=clock, dtype=wire, priority=bucket.priority)
+        sent = (stop - start) * grads[0].itemsize
+        for s in range(steps):
+            fut, acc = parts[(c, s)]
+            await self._bounded(fut, bucket, clock, f"reduce-scatter step {s} of chunk {c} from rank {prev}")
+            pieces = layout.pieces(*slices[(r - s - 1) % P])
+            mine = np.concatenate([grads[i][lo:hi] for i, lo, hi in pieces]) if len(pieces) > 1 else grads[pieces[0][0]][pieces[0][1] : pieces[0][2]]
+            np.add(acc, mine, out=acc)
+            if s < steps - 1:
+                await nxt.send(Kind.PUSH, acc, key=base + s + 1, clock=clock, dtype=wire, priority=bucket.priority)
+                sent += acc.nbytes
+        # acc is now the sum of slice r + 1's chunk c over every rank: this rank owns it.
+        np.divide(acc, acc.dtype.type(P), out=acc)
+        offset = 0
+        for i, lo, hi in layout.pieces(*slices[(r + 1) % P]):
+            outs[i][lo:hi] = acc[offset : offset + hi - lo]
+            offset += hi - lo
+        await nxt.send(Kind.AGGREGATE, acc, key=base, clock=clock, dtype=wire, priority=bucket.priority)
+        sent += acc.nbytes
+        for s in range(steps):
+            fut, into, pieces = gathers[(c, s)]
+            await self._bounded(fut, bucket, clock, f"all-gather step {s} of chunk {c} from rank {prev}")
+            if pieces is not None:  # a chunk across arrays: scatter it
+                offset = 0
+                for i, lo, hi in pieces:
+                    outs[i][lo:hi] = into[offset : offset + hi - lo]
+                    offset += hi - lo
+            if s < steps - 1:
+                await nxt.send(Kind.AGGREGATE, into, key=base + s + 1, clock=clock, dtype=wire, priority=bucket.priority)
+                sent += into.nbytes
+        return sent
 
     def _landing(self, layout: _Layout, outs: list, start: int, stop: int, dtype):
         """Where a reduced chunk is received: straight into the out array when it lies in one,

@@ -36,7 +36,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from ..errors import CheckpointError, ConfigError
-from .cost import Link
+from .cost import LOSSY_SCHEMES, Link
 
 
 class Compression(str, enum.Enum):
@@ -75,6 +75,11 @@ class CompressionConfig:
         link: plan as if each worker's link were this (``Link.of_bandwidth(12.5e6, 1e-4)``: 100
             Mbit, 100 us per round) instead of the one measured at start-up: to study or test a
             slow network from a fast one.
+        compute: plan with these compression compute costs, ``{"fp16" | "powersgd" | "topk":
+            (a seconds, b seconds per element)}``, instead of measuring them at start-up. The
+            measurement depends on the machine's load, so an ``"auto"`` plan is repeatable bit
+            for bit only with ``link`` and ``compute`` both given (the log prints the measured
+            ones to copy).
 
     Raises:
         ConfigError: an unknown method or a value out of range.
@@ -88,6 +93,7 @@ class CompressionConfig:
     ratio: float = 0.01
     min_elements: int = MIN_ELEMENTS
     link: Optional[Link] = None
+    compute: Optional[Mapping[str, tuple]] = None
 
     def __post_init__(self) -> None:
         try:
@@ -102,6 +108,11 @@ class CompressionConfig:
             raise ConfigError(f"CompressionConfig.min_elements must be >= 1, got {self.min_elements!r}")
         if self.link is not None and not (self.link.beta > 0 and self.link.alpha >= 0):
             raise ConfigError(f"CompressionConfig.link needs beta > 0 and alpha >= 0, got {self.link}")
+        if self.compute is not None:
+            known = {s.value for s in LOSSY_SCHEMES}
+            if not set(self.compute) <= known or not all(len(ab) == 2 and min(ab) >= 0 for ab in self.compute.values()):
+                raise ConfigError(f"CompressionConfig.compute maps {sorted(known)} to (a >= 0, b >= 0) seconds, got {self.compute!r}")
+            self.compute = {k: (float(a), float(b)) for k, (a, b) in self.compute.items()}
 
     @classmethod
     def of(cls, value) -> Optional["CompressionConfig"]:
@@ -124,7 +135,8 @@ class CompressionConfig:
     def settings(self) -> str:
         """What every rank must agree on, as JSON (its digest is checked at start-up)."""
         link = None if self.link is None else [self.link.alpha, self.link.beta]
-        return json.dumps({"method": self.method.value, "rank": self.rank, "ratio": self.ratio, "min_elements": self.min_elements, "link": link}, sort_keys=True)
+        compute = None if self.compute is None else {k: list(v) for k, v in self.compute.items()}
+        return json.dumps({"method": self.method.value, "rank": self.rank, "ratio": self.ratio, "min_elements": self.min_elements, "link": link, "compute": compute}, sort_keys=True)
 
 
 # -- shapes -----------------------------------------------------------------------------------

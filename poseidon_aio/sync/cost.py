@@ -172,13 +172,16 @@ class Link:
         return cls(alpha, 1.0 / bytes_per_s)
 
 
-def predicted_time(layer: LayerShape, scheme: Scheme, workers: int, servers: int, link: Link, *, chunk_bytes: int = 2 << 20, itemsize: int = 4) -> float:
+def predicted_time(
+    layer: LayerShape, scheme: Scheme, workers: int, servers: int, link: Link, *, chunk_bytes: int = 2 << 20, itemsize: int = 4, allreduce: str = "ring"
+) -> float:
     """Seconds ``scheme`` takes to sync ``layer`` on the busiest worker link (inf if it cannot).
 
     PS: a push and a reply; the layer's keys occupy ``s = min(P2, ceil(bytes / chunk))`` shards,
     so a node hosting one of them sends ``b (s - 1) / s`` of pushes and ``(P1 - 1) b / s`` of
-    replies (for s = P2 = P1 = P that is Table 1's ``2b (P - 1) / P`` each way). All-reduce: two
-    rounds, ``2b (P - 1) / P`` each way. SFB: one round, ``K (M + N) (P - 1)`` floats each way.
+    replies (for s = P2 = P1 = P that is Table 1's ``2b (P - 1) / P`` each way). All-reduce:
+    ``2b (P - 1) / P`` each way, in ``2 (P - 1)`` rounds round a ring (``allreduce="ring"``, the
+    trainer's default) or two (``"direct"``: every slice straight to its owner and back). SFB: one round, ``K (M + N) (P - 1)`` floats each way.
     With ``link.flop``, an FC layer's weight gradient counts too: ``2 K M N`` FLOPs in autograd
     for PS and all-reduce, ``2 P K M N`` in SFB's rebuild.
     """
@@ -193,7 +196,8 @@ def predicted_time(layer: LayerShape, scheme: Scheme, workers: int, servers: int
         s = min(p2, max(1, -(-b // chunk_bytes)))
         return 2 * link.alpha + link.beta * b * (s - 1 + p1 - 1) / s + gemm
     if scheme is Scheme.ALLREDUCE:
-        return 2 * link.alpha + link.beta * 2 * b * (p1 - 1) / p1 + gemm
+        rounds = 2 * (p1 - 1) if allreduce == "ring" else 2
+        return rounds * link.alpha + link.beta * 2 * b * (p1 - 1) / p1 + gemm
     if scheme is Scheme.SFB:
         if layer.kind is not LayerKind.FC or not layer.rows:
             return float("inf")
@@ -209,6 +213,7 @@ def hybcomm_choice(
     link: Link = Link(),
     candidates=HYBCOMM_SCHEMES,
     chunk_bytes: int = 2 << 20,
+    allreduce: str = "ring",
 ) -> Scheme:
     """The candidate with the least :func:`predicted_time`; a tie goes to Algorithm 1's choice.
 
@@ -220,7 +225,7 @@ def hybcomm_choice(
     <Scheme.PS: 'ps'>
     """
     paper = best_scheme(layer, workers, servers)
-    times = {c: predicted_time(layer, c, workers, servers, link, chunk_bytes=chunk_bytes) for c in candidates}
+    times = {c: predicted_time(layer, c, workers, servers, link, chunk_bytes=chunk_bytes, allreduce=allreduce) for c in candidates}
     best = min(times.values())
     if paper in times and times[paper] <= best:
         return paper

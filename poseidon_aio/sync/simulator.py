@@ -30,9 +30,11 @@ itself, costs nothing (the trainer's in-process link). Schemes:
 * SFB: every worker sends its K(M + N) floats to each peer; once a worker has all of them it
   rebuilds the gradient, ``2 P K M N`` FLOPs at ``rate`` on a thread of its own (it overlaps
   the backward; one reconstruction at a time, in the order the layers started).
-* all-reduce (``sync.allreduce``): P - 1 reduce-scatter parts of b / P (in chunks of at most
-  ``chunk_bytes``, a message each) to their owners, then each owner's P - 1 all-gather messages
-  as soon as its parts are in.
+* all-reduce (``sync.allreduce``), ``ring`` (the trainer's default): 2 (P - 1) steps, in each of
+  which every worker sends a slice of b / P (in chunks of at most ``chunk_bytes``, a message each)
+  to the next; a step starts once the last one is in everywhere (the chunks' pipelining inside a
+  step is not modelled). ``direct``: P - 1 reduce-scatter parts of b / P to their owners, then
+  each owner's P - 1 all-gather messages as soon as its parts are in.
 * DDP, for comparison: gloo's ring all-reduce over DDP's buckets (1 MiB first, then 25 MiB, in
   reverse parameter order); a bucket goes when its last gradient is ready, one bucket at a time,
   2 (P - 1) steps of b / P each, every step ``alpha + (b / P) beta``.
@@ -211,6 +213,17 @@ class _Links:
         out[receiving] = np.maximum(self.down[receiving], _max_of_others(ends, srcs, self.nodes)[receiving]) + self.latency
         return out
 
+    def ring(self, t: float, nbytes: float, count: int, kind: Kind) -> float:
+        """Every node sends ``nbytes`` (``count`` messages) to the next: when all have theirs."""
+        np.maximum(self.up, t, out=self.up)
+        self.up += count * self.startup(kind) + nbytes * self.beta
+        np.maximum(self.down, t, out=self.down)
+        self.down += nbytes * self.beta_in
+        self.up_bytes += nbytes
+        self.down_bytes += nbytes
+        self.sent += count
+        return max(float(self.up.max()), float(self.down.max())) + self.latency
+
     def exchange(self, t: float, nbytes: np.ndarray, count: np.ndarray, kind: Kind) -> np.ndarray:
         """Every node sends ``nbytes[o]`` (``count[o]`` messages) to every other node ``o``.
 
@@ -306,11 +319,12 @@ def _timeline(layers: list) -> tuple:
 class _Simulation:
     """One iteration's events, in time order, over :class:`_Links`."""
 
-    def __init__(self, layers: list, workers: int, rate: float, net: tuple, chunk_bytes: int) -> None:
+    def __init__(self, layers: list, workers: int, rate: float, net: tuple, chunk_bytes: int, allreduce: str = "ring") -> None:
         self.layers = layers
         self.P = workers
         self.rate = rate
         self.chunk_bytes = chunk_bytes
+        self.algorithm = allreduce
         self.links = _Links(workers, *net)
         self.unit_done = np.zeros((len(layers), workers))  # per unit (what travels together)
         self.unit_of = np.zeros(len(layers), dtype=np.int64)
@@ -357,6 +371,10 @@ class _Simulation:
         # sync.allreduce's layout: the bucket's elements cut into P nearly equal owner slices,
         # each sent in chunks of at most chunk_bytes.
         elements = sum(self.layers[i].nbytes for i in members) // ITEMSIZE
+        if self.algorithm == "ring" and self.P > 2 and elements >= self.P:
+            share = -(-elements // self.P) * ITEMSIZE
+            self._ring_step(t, unit, 0, float(share), -(-share // self.chunk_bytes))
+            return
         base, extra = divmod(elements, self.P)
         items = np.full(self.P, base, dtype=np.int64)
         items[:extra] += 1
@@ -367,6 +385,13 @@ class _Simulation:
         owners = np.flatnonzero(items > 0)
         for when in np.unique(parts_in[owners]):  # owners whose parts are in at the same time
             self.at(float(when), self._allgather, unit, owners[parts_in[owners] == when], nbytes, count)
+
+    def _ring_step(self, t: float, unit: int, step: int, share: float, count: int) -> None:
+        when = self.links.ring(t, share, count, Kind.PUSH if step < self.P - 1 else Kind.AGGREGATE)
+        if step + 1 < 2 * (self.P - 1):
+            self.at(when, self._ring_step, unit, step + 1, share, count)
+        else:
+            self._finish(unit, np.full(self.P, when))
 
     def _allgather(self, t: float, unit: int, owners: np.ndarray, nbytes: np.ndarray, count: np.ndarray) -> None:
         self._finish(unit, self.links.scatter(t, owners, nbytes[owners], count[owners], Kind.AGGREGATE))
@@ -453,6 +478,7 @@ class Simulator:
             (``alpha`` is then the sender's per-message overhead only): messages sent together
             overlap their latency, a chain of them (a ring's steps) pays it at every step.
         chunk_bytes: the PS's key-value pair size and all-reduce's chunk (the trainer's 2 MiB).
+        allreduce: the all-reduce algorithm, ``"ring"`` or ``"direct"`` (``PSConfig.allreduce``).
         rows: K, the rows of each FC layer's factors (default: the trace's batch).
     Raises:
         ConfigError: a number out of range, an unknown mode or scheme, an empty trace.
@@ -477,6 +503,7 @@ class Simulator:
         ingress: bool = True,
         latency: float = 0.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        allreduce: str = "ring",
         rows: Optional[int] = None,
     ) -> None:
         if not isinstance(trace, Trace):
@@ -491,6 +518,8 @@ class Simulator:
             raise ConfigError(f"mode must be one of {list(MODES)}, got {mode!r}")
         if chunk_bytes < 64:
             raise ConfigError(f"chunk_bytes must be at least 64, got {chunk_bytes}")
+        if allreduce not in ("ring", "direct"):
+            raise ConfigError(f"allreduce must be 'ring' or 'direct', got {allreduce!r}")
         if not (math.isfinite(latency) and latency >= 0):
             raise ConfigError(f"latency must be finite and >= 0 seconds, got {latency!r}")
         if not len(trace):
@@ -505,6 +534,7 @@ class Simulator:
         self.rate = float(rate)
         self.mode = mode
         self.chunk_bytes = chunk_bytes
+        self.allreduce = allreduce
         self.rows = trace.batch if rows is None else int(rows)
         self.net = (link, costed, bool(ingress), float(latency))
         self.layers = _layers(trace, self.rows, self.rate)
@@ -514,7 +544,7 @@ class Simulator:
                 [PlanLayer(layer.shape, layer.factorable) for layer in self.layers],
                 {layer.name: self.rows for layer in self.layers if layer.factorable},
                 mode=Mode(mode), workers=self.workers, shards=self.workers,
-                link=link_of(self.calibration), candidates=self.hybcomm, chunk_bytes=chunk_bytes,
+                link=link_of(self.calibration), candidates=self.hybcomm, chunk_bytes=chunk_bytes, allreduce=allreduce,
             )
             for layer in self.layers:
                 layer.scheme = Scheme(chosen[layer.name])
@@ -555,7 +585,7 @@ class Simulator:
                 members = [layer for layer in layers if layer.scheme is s]
                 if len(members) < 2:
                     continue
-                runtime = MergeRuntime(MergeConfig(kind, after=1), 0, self.workers, self.workers, s, self.calibration)
+                runtime = MergeRuntime(MergeConfig(kind, after=1), 0, self.workers, self.workers, s, self.calibration, self.allreduce)
                 spans = [(layer.ready, float(warm[layer.index][0])) for layer in members]
                 indices = [layer.index for layer in members]
                 runtime.record(self.forward, self.forward, ready, indices, spans, sum(layer.nbytes for layer in members))
@@ -565,13 +595,13 @@ class Simulator:
                 plans[s.value] = info
         key = tuple((s.value, tuple(gs)) for s, gs in groups.items())
         if key not in self._runs:  # two planners often agree: simulate each plan once
-            self._runs[key] = _run(layers, self.workers, self.rate, self.net, self.chunk_bytes, self.mode, groups)
+            self._runs[key] = _run(layers, self.workers, self.rate, self.net, self.chunk_bytes, self.mode, groups, self.allreduce)
         sim = self._runs[key]
         return self._result(sim, groups, plans, sim.done)
 
     def _warm_up(self, groups: dict) -> "_Simulation":
         if self._unmerged is None:
-            self._unmerged = _run(self.layers, self.workers, self.rate, self.net, self.chunk_bytes, self.mode, groups)
+            self._unmerged = _run(self.layers, self.workers, self.rate, self.net, self.chunk_bytes, self.mode, groups, self.allreduce)
         return self._unmerged
 
     def _result(self, sim, groups: dict, plans: dict, done: np.ndarray) -> Iteration:
@@ -610,10 +640,10 @@ def simulate(trace: Trace, workers: int, *, merge: Optional[str] = None, **setti
     >>> tenGbE = Link.of_bandwidth(10e9 / 8, alpha=45e-6)
     >>> one = simulate(trace("vgg19"), 1, rate=6e12, link=tenGbE)
     >>> eight = simulate(trace("vgg19"), 8, rate=6e12, link=tenGbE, mode="poseidon")
-    >>> eight.schemes["fc6"], eight.schemes["conv1_1"]
-    ('sfb', 'allreduce')
-    >>> round(eight.speedup(one), 2)   # the SFB layers skip their weight gradient: over 8
-    8.01
+    >>> eight.schemes["fc6"], eight.schemes["conv1_1"], eight.schemes["conv5_4"]   # 1.7 k floats: 14 ring rounds cost more than the PS's 2
+    ('sfb', 'ps', 'allreduce')
+    >>> round(eight.speedup(one), 2)   # the SFB layers skip their weight gradient: about 8
+    8.0
     """
     return Simulator(trace, workers, **settings).run(merge)
 
@@ -642,8 +672,8 @@ def _calibration(net: tuple) -> list:
     return samples
 
 
-def _run(layers: list, workers: int, rate: float, net: tuple, chunk_bytes: int, mode: str, groups: dict) -> _Simulation:
-    sim = _Simulation(layers, workers, rate, net, chunk_bytes)
+def _run(layers: list, workers: int, rate: float, net: tuple, chunk_bytes: int, mode: str, groups: dict, allreduce: str = "ring") -> _Simulation:
+    sim = _Simulation(layers, workers, rate, net, chunk_bytes, allreduce)
     ps_groups = groups.get(Scheme.PS, [])
     messages = _ps_messages(layers, ps_groups, workers, chunk_bytes)
     end_of_backward = sum(layer.forward + layer.backward for layer in layers)

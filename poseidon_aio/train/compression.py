@@ -42,6 +42,8 @@ async def agreed_planner(config: Optional[CompressionConfig], rdzv, rank: int, w
     if config is None or world < 2:
         return None
     await rdzv.check_digest("compression settings", config.settings())
+    if config.compute is not None:  # given: the same on every rank (its digest was checked)
+        return LossyPlanner(config, ComputeCosts(dict(config.compute)))
     if rank == 0:
         costs = await run(measure_compute, config)
         await rdzv.publish("compression-compute", costs.to_json())

@@ -1,0 +1,87 @@
+"""The all-reduce scheme's two algorithms over in-memory connections: every rank ends with the
+same bits, the mean of the ranks' gradients, whatever the sizes, chunks and delivery order."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from poseidon_aio.errors import ConfigError, SyncTimeout
+from poseidon_aio.sync import AllReduceSyncer
+from poseidon_aio.sync.bucket import Bucket
+
+from .memtransport import connected_pair, run_async
+from .procs import net_config
+
+
+async def mesh(world: int, seed: int) -> list:
+    """``peers[r] = {q: connection at r to q}``, one in-memory pair per two ranks."""
+    peers = [{} for _ in range(world)]
+    for i in range(world):
+        for j in range(i + 1, world):
+            a, b = await connected_pair(net_config(), net_config(), seed=seed * 100 + i * 10 + j, client_rank=i, server_rank=j)
+            peers[i][j], peers[j][i] = a, b
+    return peers
+
+
+async def reduce_all(world, sizes, chunk_bytes, algorithm, seed, clocks=2, timeout=30.0):
+    peers = await mesh(world, seed)
+    syncers = [AllReduceSyncer(r, world, peers[r], timeout, chunk_bytes, algorithm) for r in range(world)]
+    results, sent = [], []
+    for clock in range(clocks):  # a second clock reuses the receive buffers the first gave back
+        grads = [[np.random.default_rng([seed, clock, r, i]).standard_normal(n).astype(np.float32) for i, n in enumerate(sizes)] for r in range(world)]
+        outs = [[np.full(n, np.nan, dtype=np.float32) for n in sizes] for _ in range(world)]
+        buckets = [Bucket("b", [3, 4], list(range(len(sizes))), outs[r], grads=grads[r]) for r in range(world)]
+        done = await asyncio.gather(*(syncers[r].start(buckets[r], clock) for r in range(world)))
+        results.append((grads, outs))
+        sent.append([d.bytes_sent for d in done])
+    for side in peers:
+        for conn in side.values():
+            conn.abort()
+    return results, sent
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    world=st.integers(2, 5),
+    sizes=st.lists(st.integers(1, 300), min_size=1, max_size=4),
+    chunk_items=st.integers(1, 64),
+    algorithm=st.sampled_from(["ring", "direct"]),
+    seed=st.integers(0, 10_000),
+)
+def test_every_rank_gets_the_same_bits_the_mean_of_the_gradients(world, sizes, chunk_items, algorithm, seed):
+    results, sent = run_async(reduce_all(world, sizes, 4 * chunk_items, algorithm, seed))
+    for grads, outs in results:
+        for i in range(len(sizes)):
+            for r in range(1, world):
+                assert outs[r][i].tobytes() == outs[0][i].tobytes(), f"array {i}: rank {r} differs from rank 0"
+            mean = np.mean([g[i].astype(np.float64) for g in grads], axis=0)
+            np.testing.assert_allclose(outs[0][i], mean, rtol=1e-5, atol=1e-6)
+    # Either way every rank sends a ring all-reduce's bytes: 2 (P - 1) / P of the bucket, to
+    # within a slice's rounding.
+    total = 4 * sum(sizes)
+    for per_rank in sent:
+        for b in per_rank:
+            assert abs(b - 2 * total * (world - 1) / world) <= 2 * 4 * (world - 1), (b, total, world)
+
+
+def test_a_rank_that_never_starts_ends_the_ring_in_a_timeout_that_names_step_chunk_and_rank():
+    async def go():
+        peers = await mesh(3, 0)
+        syncers = [AllReduceSyncer(r, 3, peers[r], 0.5, 64, "ring") for r in range(3)]
+        bucket = lambda r: Bucket("fc1", [1], [0], [np.empty(96, np.float32)], grads=[np.ones(96, np.float32)])  # noqa: E731
+        # Rank 2 never starts: rank 0 waits for its parts (rank 2 is rank 0's predecessor).
+        return await asyncio.gather(*(syncers[r].start(bucket(r), 7) for r in (0, 1)), return_exceptions=True)
+
+    first, _ = run_async(go())
+    assert isinstance(first, SyncTimeout)
+    assert "rank 0: all-reduce of fc1 at clock 7: reduce-scatter step 0 of chunk 0 from rank 2" in str(first)
+
+
+def test_an_unknown_algorithm_is_a_config_error():
+    with pytest.raises(ConfigError, match="'tree'"):
+        AllReduceSyncer(0, 2, {}, 1.0, 1024, "tree")
