@@ -95,7 +95,8 @@ def worker(cfg: dict) -> None:
 
         async def main():
             stats = []
-            async with poseidon_aio.Trainer(model, opt, loss_fn, mode=cfg["impl"], net=net) as trainer:
+            ps = poseidon_aio.PSConfig(allreduce=cfg["allreduce"])
+            async with poseidon_aio.Trainer(model, opt, loss_fn, mode=cfg["impl"], net=net, ps=ps) as trainer:
                 for t in range(total):
                     started = time.perf_counter()
                     stats.append(await trainer.step(mine))
@@ -122,7 +123,7 @@ def worker(cfg: dict) -> None:
 
 def run_config(impl: str, model: str, world: int, link: str, compute: str, args, namespaces) -> dict:
     shaper_rate = RATES[link][1] if link != "loopback" and not namespaces and impl != "ddp" else None
-    cfg = dict(impl=impl, model=model, compute=compute, tflops=args.device_tflops, warmup=args.warmup, steps=args.steps, shaper_rate=shaper_rate)
+    cfg = dict(impl=impl, model=model, compute=compute, tflops=args.device_tflops, warmup=args.warmup, steps=args.steps, shaper_rate=shaper_rate, allreduce=args.allreduce)
     ranks = launch("bench.train", world, cfg, namespaces=namespaces, timeout=args.timeout, what=f"{impl} {model} x{world} on {link} ({compute})")
     # The job's step is its slowest rank's.
     steps = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
@@ -154,6 +155,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=4, help="untimed steps (merging is planned after 3)")
     parser.add_argument("--device-tflops", type=float, default=6.0, help="replayed device rate, TFLOP/s")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--allreduce", default="auto", choices=("auto", "ring", "direct"), help="PSConfig.allreduce for our runs")
     args = parser.parse_args(argv)
     if args.worker:
         worker(json.loads(args.worker))

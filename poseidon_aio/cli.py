@@ -129,7 +129,7 @@ def _explain(args: argparse.Namespace) -> int:
     for layer in layers:
         cost = layer_cost(layer, args.workers, servers)
         choice = best_scheme(layer, args.workers, servers)
-        hybrid = hybcomm_choice(layer, args.workers, servers, link=link, candidates=candidates, allreduce=args.allreduce)
+        hybrid = hybcomm_choice(layer, args.workers, servers, link=link, candidates=candidates)
         floats = {Scheme.PS: cost.ps_combined, Scheme.SFB: cost.sfb, Scheme.ALLREDUCE: cost.allreduce}
         fc = layer.kind == "fc"
         row = {
@@ -137,7 +137,7 @@ def _explain(args: argparse.Namespace) -> int:
             "K": layer.rows if fc else None, "ps_worker": cost.ps_worker, "ps_combined": cost.ps_combined,
             "sfb": cost.sfb if fc else None, "adam": cost.adam if fc else None, "allreduce": cost.allreduce,
             "choice": choice.value, "chosen": floats[choice], "hybcomm": hybrid.value, "hybcomm_floats": floats[hybrid],
-            "predicted_s": {c.value: predicted_time(layer, c, args.workers, servers, link, allreduce=args.allreduce) for c in candidates},
+            "predicted_s": {c.value: predicted_time(layer, c, args.workers, servers, link) for c in candidates},
             "cluster_ps": cost.cluster_ps,
             "cluster_sfb": cost.cluster_sfb if fc else None, "cluster_adam": cost.cluster_adam if fc else None,
         }
@@ -213,7 +213,7 @@ def _explain_compression(args: argparse.Namespace, candidates: tuple, link) -> i
     costs = measure_compute(config)
     report: dict = {}
     rows = {layer.name: layer.shape.rows for layer in layers}
-    choose_schemes(layers, rows, mode=Mode.POSEIDON, workers=args.workers, shards=servers, link=link, candidates=candidates, allreduce=args.allreduce,
+    choose_schemes(layers, rows, mode=Mode.POSEIDON, workers=args.workers, shards=servers, link=link, candidates=candidates,
                    compression=LossyPlanner(config, costs), report=report)
     if args.json:
         out = {
@@ -321,7 +321,6 @@ def main(argv=None) -> int:
     explain.add_argument("--bandwidth", help="each worker's link, e.g. 1gbit, 100mbit or bytes/s (default: compare bytes)")
     explain.add_argument("--alpha", type=float, default=0.0, help="start-up per round of messages, microseconds")
     explain.add_argument("--schemes", default="ps,sfb,allreduce", help="what HybComm weighs (the paper's: ps,sfb)")
-    explain.add_argument("--allreduce", choices=("ring", "direct"), default="ring", help="the all-reduce algorithm (PSConfig.allreduce)")
     explain.add_argument("--compression", choices=["auto", "fp16", "powersgd", "topk"],
                          help="weigh lossy schemes too: per layer every candidate's predicted time and the choice (link: --bandwidth, default 1gbit)")
     explain.add_argument("--rank", type=int, default=4, help="PowerSGD's rank (with --compression)")

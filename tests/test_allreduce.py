@@ -50,7 +50,7 @@ async def reduce_all(world, sizes, chunk_bytes, algorithm, seed, clocks=2, timeo
     world=st.integers(2, 5),
     sizes=st.lists(st.integers(1, 300), min_size=1, max_size=4),
     chunk_items=st.integers(1, 64),
-    algorithm=st.sampled_from(["ring", "direct"]),
+    algorithm=st.sampled_from(["ring", "direct", "auto"]),
     seed=st.integers(0, 10_000),
 )
 def test_every_rank_gets_the_same_bits_the_mean_of_the_gradients(world, sizes, chunk_items, algorithm, seed):

@@ -330,7 +330,7 @@ def test_auto_takes_the_least_predicted_time_and_small_layers_stay_exact():
 
 def test_a_tie_stays_exact():
     layer = _conv("conv5", 512, 512)
-    exact_t = 2 * 3 * SLOW.alpha + SLOW.beta * 2 * layer.shape.params * 4 * 3 / 4  # a ring of 4: 2 (P - 1) rounds
+    exact_t = 2 * SLOW.alpha + SLOW.beta * 2 * layer.shape.params * 4 * 3 / 4
     # Compute that makes every lossy scheme exactly as slow as the exact all-reduce.
     planner = LossyPlanner(CompressionConfig("fp16"), ComputeCosts())
     fp16_t = lossy_time(layer, Scheme.FP16, 4, SLOW, planner.config, planner.costs)

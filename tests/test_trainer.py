@@ -21,9 +21,9 @@ RUNS = [
     ("poseidon", "poseidon", None),
     ("again", "poseidon", None),
     ("adam", "poseidon", "adam-first-linear"),
-    ("allreduce", "poseidon", "every-allreduce"),  # all-reduce alone (ring), merged by MG-WFBP
-    # the ring in chunks of 16 floats, and the direct algorithm
-    ("ring-chunks", "poseidon", "every-allreduce", None, {"ps": {"chunk_bytes": 64}}),
+    ("allreduce", "poseidon", "every-allreduce"),  # all-reduce alone, merged by MG-WFBP (auto: these are direct)
+    # round a ring, in chunks of 16 floats (the tiniest buckets still direct), and all direct
+    ("ring", "poseidon", "every-allreduce", None, {"ps": {"chunk_bytes": 64, "allreduce": "ring"}}),
     ("direct", "poseidon", "every-allreduce", None, {"ps": {"allreduce": "direct"}}),
     ("mixed", "poseidon", "mixed"),  # SFB, all-reduce and PS side by side
 ]

@@ -90,9 +90,11 @@ class PSConfig:
             job fails naming it. Default: what a healthy worker can be owed, ``(staleness + 2)``
             clocks of the shard's replies plus 1 MiB.
         allreduce: how the all-reduce scheme's buckets move over the worker mesh (chunks of
-            ``chunk_bytes`` too): ``"ring"`` (one flow each way per worker, as gloo's) or
-            ``"direct"`` (every rank to every slice's owner at once; fewer sequential steps,
-            P - 1 flows each way). See ``poseidon_aio.sync.allreduce``.
+            ``chunk_bytes`` too): ``"ring"`` (one flow each way per worker, as gloo's: big
+            buckets at gloo's speed), ``"direct"`` (every rank to every slice's owner at once:
+            2 steps instead of 2 (P - 1), P - 1 flows each way) or ``"auto"``: round the ring
+            from slices of ``cost.RING_MIN_SLICE_BYTES`` (64 KiB) up, direct below. See
+            ``poseidon_aio.sync.allreduce``.
     """
 
     shards: Optional[int] = None
@@ -107,7 +109,7 @@ class PSConfig:
     placement: str = "balanced"
     standalone_shards: bool = False
     outbox_bytes: Optional[int] = None
-    allreduce: str = "ring"
+    allreduce: str = "auto"
 
     def __post_init__(self) -> None:
         if self.shards is not None and self.shards < 1:
@@ -120,8 +122,8 @@ class PSConfig:
             raise ConfigError("PSConfig.checkpoint_every needs checkpoint_dir")
         if self.sync_timeout <= 0 or self.rendezvous_timeout <= 0:
             raise ConfigError("PSConfig timeouts must be > 0 seconds")
-        if self.allreduce not in ("ring", "direct"):
-            raise ConfigError(f"PSConfig.allreduce must be 'ring' or 'direct', got {self.allreduce!r}")
+        if self.allreduce not in ("auto", "ring", "direct"):
+            raise ConfigError(f"PSConfig.allreduce must be 'auto', 'ring' or 'direct', got {self.allreduce!r}")
         if self.outbox_bytes is not None and self.outbox_bytes < 1:
             raise ConfigError(f"PSConfig.outbox_bytes must be >= 1 byte, got {self.outbox_bytes}")
 

@@ -16,15 +16,17 @@ over every rank, so no one link carries a small layer alone.
 
 That is the ``direct`` algorithm: every rank talks to every other at once, P - 1 TCP flows each
 way per worker. On a capped link those flows share the bottleneck unevenly and the slowest owner
-sets the step (bench/RESULTS.md, "All-reduce: where the time went": 1.13-1.23 x the bytes' time
-for plain sockets in that pattern at 100 Mbit, 1.04 x for a ring). So the default is ``ring``, the
-same slices and chunks moved the way gloo moves them: P - 1 reduce-scatter steps, each rank sending
-one chunk to rank + 1 (its own part first, then what it received plus its own), so one flow leaves
+sets the step (bench/RESULTS.md, "All-reduce: ring or direct": plain sockets in that pattern
+take longer than in a ring at 100 Mbit, and ours 1.22 x gloo's time on 64 MiB where a ring is at
+1.00 x). So big buckets go ``ring`` (``auto``, the default: slices of 64 KiB and up,
+``cost.goes_round_ring``), the same slices and chunks moved the way gloo moves them: P - 1
+reduce-scatter steps, each rank sending one chunk to rank + 1 (its own part first, then what it received plus its own), so one flow leaves
 and one arrives per worker; the owner of a slice (rank q owns slice q + 1) divides the sum by P and
 it travels P - 1 all-gather steps round the ring, every rank landing the owner's bits. The sum of a
 slice runs in ring order from the rank after its owner: fixed, so replicas stay bitwise identical.
 Each chunk walks the ring on its own, so a slice's later chunks are on the wire while its first
-are being summed. A bucket too small to give every rank a chunk goes ``direct``.
+are being summed. Its 2 (P - 1) steps in a row cost a small bucket more than the direct flows do,
+so small buckets (and any too small to give every rank a chunk) go ``direct``.
 
 Frame keys: ``(first layer of the bucket) << 16 | chunk`` (direct), ``| chunk * (P - 1) + step``
 (ring); the clock is the training clock.
@@ -41,12 +43,11 @@ from ..errors import ConfigError, SyncTimeout
 from ..wire import Kind
 from ..wire.codec import byte_view
 from .bucket import Bucket
-from .cost import Scheme
+from .cost import ALLREDUCE_ALGORITHMS, Scheme, goes_round_ring
 from .syncer import SyncContext, Syncer, SyncResult, register
 from .broadcast import WIRE_DTYPES
 
 CHUNKS_PER_LAYER = 1 << 16
-ALGORITHMS = ("ring", "direct")
 
 
 class _Layout:
@@ -102,15 +103,16 @@ class AllReduceSyncer(Syncer):
         peers: ``{rank: link}`` to every other worker.
         timeout: seconds to wait for any one part.
         chunk_bytes: the pipelining granularity (``PSConfig.chunk_bytes``: the same 2 MiB).
-        algorithm: ``"ring"`` or ``"direct"`` (``PSConfig.allreduce``; see the module's text).
+        algorithm: ``"auto"``, ``"ring"`` or ``"direct"`` (``PSConfig.allreduce``; see the
+            module's text and ``cost.goes_round_ring``).
     """
 
     scheme = Scheme.ALLREDUCE
     mergeable = True
 
-    def __init__(self, rank: int, world: int, peers, timeout: float, chunk_bytes: int = 2 << 20, algorithm: str = "ring") -> None:
-        if algorithm not in ALGORITHMS:
-            raise ConfigError(f"all-reduce algorithm {algorithm!r}: use one of {', '.join(ALGORITHMS)}")
+    def __init__(self, rank: int, world: int, peers, timeout: float, chunk_bytes: int = 2 << 20, algorithm: str = "auto") -> None:
+        if algorithm not in ALLREDUCE_ALGORITHMS:
+            raise ConfigError(f"all-reduce algorithm {algorithm!r}: use one of {', '.join(ALLREDUCE_ALGORITHMS)}")
         self.algorithm = algorithm
         self.rank = rank
         self.world = world
@@ -147,7 +149,7 @@ class AllReduceSyncer(Syncer):
                 np.copyto(o, g)
             return SyncResult()
         layout = self._layout(bucket, dtype.itemsize)
-        if self.algorithm == "ring" and self.world > 2:
+        if goes_round_ring(sum(g.nbytes for g in grads), self.world, self.algorithm):
             ring = layout.ring_chunks(max(1, self._chunk_bytes // dtype.itemsize))
             if ring is not None:
                 return await self._ring(bucket, clock, layout, ring, grads, outs, dtype, wire)

@@ -172,16 +172,16 @@ class Link:
         return cls(alpha, 1.0 / bytes_per_s)
 
 
-def predicted_time(
-    layer: LayerShape, scheme: Scheme, workers: int, servers: int, link: Link, *, chunk_bytes: int = 2 << 20, itemsize: int = 4, allreduce: str = "ring"
-) -> float:
+def predicted_time(layer: LayerShape, scheme: Scheme, workers: int, servers: int, link: Link, *, chunk_bytes: int = 2 << 20, itemsize: int = 4) -> float:
     """Seconds ``scheme`` takes to sync ``layer`` on the busiest worker link (inf if it cannot).
 
     PS: a push and a reply; the layer's keys occupy ``s = min(P2, ceil(bytes / chunk))`` shards,
     so a node hosting one of them sends ``b (s - 1) / s`` of pushes and ``(P1 - 1) b / s`` of
     replies (for s = P2 = P1 = P that is Table 1's ``2b (P - 1) / P`` each way). All-reduce:
-    ``2b (P - 1) / P`` each way, in ``2 (P - 1)`` rounds round a ring (``allreduce="ring"``, the
-    trainer's default) or two (``"direct"``: every slice straight to its owner and back). SFB: one round, ``K (M + N) (P - 1)`` floats each way.
+    ``2b (P - 1) / P`` each way in two phases (reduce-scatter, all-gather), whichever the
+    algorithm (:func:`goes_round_ring`): both send 2 (P - 1) messages a worker, and a ring's
+    P - 1 steps in a row per phase are latency that other layers' transfers overlap. SFB: one
+    round, ``K (M + N) (P - 1)`` floats each way.
     With ``link.flop``, an FC layer's weight gradient counts too: ``2 K M N`` FLOPs in autograd
     for PS and all-reduce, ``2 P K M N`` in SFB's rebuild.
     """
@@ -196,13 +196,36 @@ def predicted_time(
         s = min(p2, max(1, -(-b // chunk_bytes)))
         return 2 * link.alpha + link.beta * b * (s - 1 + p1 - 1) / s + gemm
     if scheme is Scheme.ALLREDUCE:
-        rounds = 2 * (p1 - 1) if allreduce == "ring" else 2
-        return rounds * link.alpha + link.beta * 2 * b * (p1 - 1) / p1 + gemm
+        return 2 * link.alpha + link.beta * 2 * b * (p1 - 1) / p1 + gemm
     if scheme is Scheme.SFB:
         if layer.kind is not LayerKind.FC or not layer.rows:
             return float("inf")
         return link.alpha + link.beta * itemsize * layer.rows * (layer.m + layer.n) * (p1 - 1) + p1 * gemm
     raise ConfigError(f"no time model for scheme {scheme.value!r}")
+
+
+# The smallest slice (bytes per rank) that the ``auto`` all-reduce sends round a ring. Measured
+# (bench/RESULTS.md, "All-reduce: ring or direct", 4 workers, tc-capped): a ring moves 64 MiB at
+# gloo's speed where the direct pattern's P - 1 flows each way lose 8-22 %, and the transformer
+# (slices of 49-128 KiB) steps 16 % faster round a ring at 100 Mbit, the same at 1 Gbit; the small
+# CNN (slices of at most 37 KiB) was no faster either way within its noise. Below this, the ring's
+# 2 (P - 1) steps in a row buy nothing.
+RING_MIN_SLICE_BYTES = 64 << 10
+ALLREDUCE_ALGORITHMS = ("auto", "ring", "direct")
+
+
+def goes_round_ring(nbytes: float, workers: int, algorithm: str = "auto") -> bool:
+    """Whether an all-reduce of ``nbytes`` among ``workers`` goes round a ring (else direct).
+
+    A function of the bucket alone, never of a measurement: every rank decides the same, and a
+    resumed run the same as the run it resumes.
+
+    >>> goes_round_ring(64 << 20, 4), goes_round_ring(128 << 10, 4), goes_round_ring(64 << 20, 2)
+    (True, False, False)
+    """
+    if workers < 3 or algorithm == "direct":
+        return False
+    return algorithm == "ring" or nbytes / workers >= RING_MIN_SLICE_BYTES
 
 
 def hybcomm_choice(
@@ -213,7 +236,6 @@ def hybcomm_choice(
     link: Link = Link(),
     candidates=HYBCOMM_SCHEMES,
     chunk_bytes: int = 2 << 20,
-    allreduce: str = "ring",
 ) -> Scheme:
     """The candidate with the least :func:`predicted_time`; a tie goes to Algorithm 1's choice.
 
@@ -225,7 +247,7 @@ def hybcomm_choice(
     <Scheme.PS: 'ps'>
     """
     paper = best_scheme(layer, workers, servers)
-    times = {c: predicted_time(layer, c, workers, servers, link, chunk_bytes=chunk_bytes, allreduce=allreduce) for c in candidates}
+    times = {c: predicted_time(layer, c, workers, servers, link, chunk_bytes=chunk_bytes) for c in candidates}
     best = min(times.values())
     if paper in times and times[paper] <= best:
         return paper

@@ -198,7 +198,7 @@ class LossyPlanner:
     config: CompressionConfig
     costs: ComputeCosts = ComputeCosts()
 
-    def weigh(self, layer, rows: int, exact: Scheme, candidates, workers: int, shards: int, link: Link, chunk_bytes: int = 2 << 20, allreduce: str = "ring") -> Weighing:
+    def weigh(self, layer, rows: int, exact: Scheme, candidates, workers: int, shards: int, link: Link, chunk_bytes: int = 2 << 20) -> Weighing:
         """Decide ``layer`` (a ``PlanLayer``) given the exact schemes' choice ``exact`` among
         ``candidates`` (the rule in this module's docstring)."""
         times = {}
@@ -206,10 +206,10 @@ class LossyPlanner:
         for c in candidates:
             if syncer_class(c).captures_factors and not (layer.factorable and rows):
                 continue
-            times[Scheme(c).value] = predicted_time(shape, Scheme(c), workers, shards, link, chunk_bytes=chunk_bytes, allreduce=allreduce)
+            times[Scheme(c).value] = predicted_time(shape, Scheme(c), workers, shards, link, chunk_bytes=chunk_bytes)
         exact_t = times.get(exact.value)
         if exact_t is None:
-            exact_t = times[exact.value] = predicted_time(shape, exact, workers, shards, link, chunk_bytes=chunk_bytes, allreduce=allreduce)
+            exact_t = times[exact.value] = predicted_time(shape, exact, workers, shards, link, chunk_bytes=chunk_bytes)
         lossy, reasons = {}, {}
         for scheme in self.config.schemes:
             why = unsuited(layer, scheme, self.config)

@@ -55,7 +55,6 @@ def choose_schemes(
     link: Link = Link(),
     candidates=HYBCOMM_SCHEMES,
     chunk_bytes: int = 2 << 20,
-    allreduce: str = "ring",
     compression=None,
     report: Optional[dict] = None,
 ) -> dict:
@@ -68,7 +67,6 @@ def choose_schemes(
         link: the measured alpha and beta (default: bytes only, as the paper counts).
         candidates: the schemes HybComm weighs in mode ``poseidon`` by their predicted time on
             ``link``; exactly the paper's (PS and SFB) is Algorithm 1 on bytes, as ATC'17 writes it.
-        chunk_bytes, allreduce: the trainer's ``PSConfig`` settings, as the schemes will move.
         compression: a :class:`~poseidon_aio.sync.lossyplan.LossyPlanner`: in mode ``poseidon``
             each layer's exact choice is then weighed against the lossy schemes (its rule).
         report: filled with ``{layer name: Weighing}`` (candidates, predicted times, choice).
@@ -102,11 +100,11 @@ def choose_schemes(
             # SFB needs factors (a factorable layer) and K (a layer the planning forward called).
             usable = [c for c in candidates if not syncer_class(c).captures_factors or (layer.factorable and rows.get(layer.name))]
             usable = usable or [Scheme.PS]
-            scheme = hybcomm_choice(layer.shape.with_rows(rows.get(layer.name, 0)), workers, shards, link=link, candidates=usable, chunk_bytes=chunk_bytes, allreduce=allreduce)
+            scheme = hybcomm_choice(layer.shape.with_rows(rows.get(layer.name, 0)), workers, shards, link=link, candidates=usable, chunk_bytes=chunk_bytes)
         else:
             scheme = Scheme.PS
         if want is None and compression is not None and mode is Mode.POSEIDON and workers > 1:
-            weighing = compression.weigh(layer, rows.get(layer.name, 0), scheme, candidates, workers, shards, link, chunk_bytes, allreduce)
+            weighing = compression.weigh(layer, rows.get(layer.name, 0), scheme, candidates, workers, shards, link, chunk_bytes)
             scheme = weighing.choice
             if report is not None:
                 report[layer.name] = weighing

@@ -122,14 +122,9 @@ class MergeRuntime:
         rank, world, shards: this worker, P1 and P2.
         scheme: the mergeable scheme whose layers it merges (PS or all-reduce).
         calibration: the start-up round trips (:func:`calibrate`), shared by every scheme.
-        allreduce: ``PSConfig.allreduce``: a ring sync pays P - 1 round trips' start-up.
     """
 
-    def __init__(
-        self, config: MergeConfig, rank: int, world: int, shards: int, scheme: Scheme = Scheme.PS, calibration: Sequence[tuple] = (), allreduce: str = "ring"
-    ) -> None:
-        # A ring all-reduce is P - 1 round trips in a row, the PS's and the direct all-reduce's one.
-        self._rounds = world - 1 if scheme is Scheme.ALLREDUCE and allreduce == "ring" and world > 2 else 1
+    def __init__(self, config: MergeConfig, rank: int, world: int, shards: int, scheme: Scheme = Scheme.PS, calibration: Sequence[tuple] = ()) -> None:
         self.config = config
         self.rank = rank
         self.world = world
@@ -192,7 +187,7 @@ class MergeRuntime:
         # taken from the compute, and it is what merging saves: on 2 cores with 2 workers a
         # ResNet-20's 31 messages took ~1 ms of the loop's CPU each against a 0.13 ms round trip
         # idle. (The syncs' own durations cannot tell: they include waiting for slower peers.)
-        a = round_trip.a * self._rounds
+        a = round_trip.a
         # (a job's first step starts the parameter server and faults its buffers in: not a
         # message's cost)
         cpu = self._samples.cpu[1:] if len(self._samples.cpu) > 1 else self._samples.cpu

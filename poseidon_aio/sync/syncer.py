@@ -54,7 +54,7 @@ class SyncContext:
             (the trainer passes torch's or CuPy's; ``sync`` itself stays torch-free).
         executor: the thread reconstructions run on.
         chunk_bytes: the largest message a scheme sends at once (``PSConfig.chunk_bytes``).
-        allreduce: how all-reduce buckets move, ``"ring"`` or ``"direct"`` (``PSConfig.allreduce``).
+        allreduce: how all-reduce buckets move, ``"auto"``, ``"ring"`` or ``"direct"`` (``PSConfig.allreduce``).
         compression: the lossy schemes' settings (``sync.compress.CompressionConfig``).
         feedback: this worker's error-feedback state (``sync.compress.Feedback``), kept by the
             trainer across syncer rebuilds and in its checkpoints.
@@ -69,7 +69,7 @@ class SyncContext:
     reconstruct: Optional[Callable] = None
     executor: Optional[Executor] = None
     chunk_bytes: int = 2 << 20
-    allreduce: str = "ring"
+    allreduce: str = "auto"
     compression: object = None
     feedback: object = None
 

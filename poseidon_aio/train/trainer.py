@@ -660,7 +660,7 @@ class Trainer:
             by_name = choose_schemes(
                 plan_layers, k, mode=self.mode, workers=self.world, shards=self.ps_config.shards_for(self.world),
                 overrides=self.overrides, link=stated or await self._agreed_link(), candidates=self.hybcomm,
-                chunk_bytes=self.ps_config.chunk_bytes, allreduce=self.ps_config.allreduce, compression=planner, report=self.compression_plan,
+                chunk_bytes=self.ps_config.chunk_bytes, compression=planner, report=self.compression_plan,
             )
             if self.compression_plan:
                 log.info("rank %d: lossy plan\n%s", self.rank, lossy.describe(self.compression_plan))
@@ -685,7 +685,7 @@ class Trainer:
         if self.merge.planned and self.world > 1:
             shards = self.ps_config.shards_for(self.world)
             self._runtimes = {
-                scheme: MergeRuntime(self.merge, self.rank, self.world, shards, scheme, self._calibration, self.ps_config.allreduce)
+                scheme: MergeRuntime(self.merge, self.rank, self.world, shards, scheme, self._calibration)
                 for scheme in self._mergeable() if len(self._layers_of(scheme)) > 1 and not saved.get(scheme.value)
             }
         self._planned = True
