@@ -85,3 +85,20 @@ def test_a_rank_that_never_starts_ends_the_ring_in_a_timeout_that_names_step_chu
 def test_an_unknown_algorithm_is_a_config_error():
     with pytest.raises(ConfigError, match="'tree'"):
         AllReduceSyncer(0, 2, {}, 1.0, 1024, "tree")
+
+
+def test_a_peer_lost_mid_ring_ends_every_chunk_in_connection_lost_not_a_hang():
+    from poseidon_aio.errors import ConnectionLost
+
+    async def go():
+        peers = await mesh(3, 1)
+        syncers = [AllReduceSyncer(r, 3, peers[r], 30.0, 64, "ring") for r in range(3)]
+        bucket = lambda r: Bucket("fc2", [2], [0], [np.empty(600, np.float32)], grads=[np.ones(600, np.float32)])  # noqa: E731
+        # Ranks 0 and 1 start (10 chunks each); rank 2 is gone: its links break.
+        started = [syncers[r].start(bucket(r), 3) for r in (0, 1)]
+        for conn in peers[2].values():
+            conn.abort()
+        return await asyncio.gather(*started, return_exceptions=True)
+
+    for error in run_async(go()):
+        assert isinstance(error, ConnectionLost), repr(error)

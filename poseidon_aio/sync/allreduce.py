@@ -96,6 +96,11 @@ class _Layout:
         return out
 
 
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 @register
 class AllReduceSyncer(Syncer):
     """Args:
@@ -238,11 +243,13 @@ class AllReduceSyncer(Syncer):
                 start, stop = slices[(r - s) % P]
                 into, pieces = self._landing(layout, outs, start, stop, dtype)
                 gathers[(c, s)] = (self._peers[prev].expect(Kind.AGGREGATE, base + c * steps + s, clock, into=into), into, pieces)
+        walks = [asyncio.ensure_future(self._walk(bucket, clock, layout, slices, c, grads, outs, parts, gathers, wire)) for c, slices in enumerate(ring)]
+        for walk in walks:  # the first failure is raised; the others' (the same cause) are not news
+            walk.add_done_callback(_retrieved)
         try:
-            walks = [self._walk(bucket, clock, layout, slices, c, grads, outs, parts, gathers, wire) for c, slices in enumerate(ring)]
             sent = sum(await asyncio.gather(*walks))
         except BaseException:
-            for fut, *_ in (*parts.values(), *gathers.values()):
+            for fut in (*walks, *(f for f, *_ in (*parts.values(), *gathers.values()))):
                 fut.cancel()
             raise
         # Sent payloads are not copied (Connection.send): a buffer goes back to the pool only
