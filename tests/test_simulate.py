@@ -83,6 +83,22 @@ def test_one_layer_two_workers_allreduce_by_hand():
     assert it.messages == 4
 
 
+def test_one_layer_four_workers_allreduce_round_a_ring_and_direct_by_hand():
+    # Ring (a 1 MiB slice per rank, over auto's 64 KiB): 2 (P - 1) = 6 steps, each a slice of
+    # B/4 from every rank to the next, one after another: 6 (alpha + B/4 beta), DDP's ring time.
+    ring = run(fc_trace(M, N), 4, rate=RATE, link=Link(ALPHA, BETA), mode="poseidon", hybcomm=("allreduce",), merge="none")
+    assert ring.schemes == {"fc": "allreduce"}
+    assert ring.time == pytest.approx(3 * T_F + 6 * (ALPHA + B / 4 * BETA), rel=1e-12)
+    assert (ring.messages, ring.link_messages, ring.link_bytes) == (24, 6, 6 * B // 4)  # all ranks; the busiest link
+    ddp = run(fc_trace(M, N), 4, rate=RATE, link=Link(ALPHA, BETA), mode="ddp")
+    assert ring.time == pytest.approx(ddp.time, rel=1e-12)
+    # Direct: each rank sends its three peers' slices (3 alpha + 3 B/4 beta on its up-link), then
+    # each owner sends its reduced slice to three peers: the same bytes in 2 rounds.
+    direct = run(fc_trace(M, N), 4, rate=RATE, link=Link(ALPHA, BETA), mode="poseidon", hybcomm=("allreduce",), merge="none", allreduce="direct")
+    assert direct.time == pytest.approx(3 * T_F + 2 * (3 * ALPHA + 3 * B / 4 * BETA), rel=1e-12)
+    assert (direct.messages, direct.link_bytes) == (24, ring.link_bytes)
+
+
 def test_one_layer_two_workers_ddp_by_hand():
     # One bucket (4 MiB > DDP's 1 MiB first bucket), gloo's ring: 2 (P - 1) = 2 steps of B/2.
     it = run(fc_trace(M, N), 2, rate=RATE, link=Link(ALPHA, BETA), mode="ddp")
