@@ -20,8 +20,8 @@ sets the step (bench/RESULTS.md, "All-reduce: ring or direct": plain sockets in 
 take longer than in a ring at 100 Mbit, and ours 1.22 x gloo's time on 64 MiB where a ring is at
 1.00 x). So big buckets go ``ring`` (``auto``, the default: slices of 64 KiB and up,
 ``cost.goes_round_ring``), the same slices and chunks moved the way gloo moves them: P - 1
-reduce-scatter steps, each rank sending one chunk to rank + 1 (its own part first, then what it received plus its own), so one flow leaves
-and one arrives per worker; the owner of a slice (rank q owns slice q + 1) divides the sum by P and
+reduce-scatter steps, each rank sending one chunk to rank + 1 (its own part first, then what it
+received plus its own), so one flow leaves and one arrives per worker; the owner of a slice (rank q owns slice q + 1) divides the sum by P and
 it travels P - 1 all-gather steps round the ring, every rank landing the owner's bits. The sum of a
 slice runs in ring order from the rank after its owner: fixed, so replicas stay bitwise identical.
 Each chunk walks the ring on its own, so a slice's later chunks are on the wire while its first
@@ -94,6 +94,22 @@ class _Layout:
             start = hi
             i += 1
         return out
+
+
+def _gathered(arrays: list, pieces: list) -> np.ndarray:
+    """The flat elements ``pieces`` (``_Layout.pieces``) name: a view where they lie in one array."""
+    if len(pieces) == 1:
+        i, lo, hi = pieces[0]
+        return arrays[i][lo:hi]
+    return np.concatenate([arrays[i][lo:hi] for i, lo, hi in pieces])
+
+
+def _scatter(flat: np.ndarray, arrays: list, pieces: list) -> None:
+    """Copy ``flat`` into the places ``pieces`` name in ``arrays``."""
+    offset = 0
+    for i, lo, hi in pieces:
+        arrays[i][lo:hi] = flat[offset : offset + hi - lo]
+        offset += hi - lo
 
 
 def _retrieved(task: asyncio.Future) -> None:
@@ -198,10 +214,7 @@ class AllReduceSyncer(Syncer):
             into, pieces = landings[c]
             received += frame.header.length
             if pieces is not None:  # a chunk across arrays: scatter it
-                offset = 0
-                for o, lo, hi in pieces:
-                    outs[o][lo:hi] = into[offset : offset + hi - lo]
-                    offset += hi - lo
+                _scatter(into, outs, pieces)
                 self._give(into)
         for (c, q), (fut, buf) in parts.items():
             received += buf.nbytes
@@ -213,16 +226,13 @@ class AllReduceSyncer(Syncer):
         mean in the outs, send it to every peer; return the bytes sent."""
         await asyncio.gather(*(parts[(c, q)][0] for q in self._peers))
         pieces = layout.pieces(start, stop)
-        mine = np.concatenate([grads[i][lo:hi] for i, lo, hi in pieces]) if len(pieces) > 1 else grads[pieces[0][0]][pieces[0][1] : pieces[0][2]]
+        mine = _gathered(grads, pieces)
         total = None
         for r in range(self.world):
             x = mine if r == self.rank else parts[(c, r)][1]
             total = x.copy() if total is None else np.add(total, x, out=total)
         np.divide(total, total.dtype.type(self.world), out=total)
-        offset = 0
-        for i, lo, hi in pieces:
-            outs[i][lo:hi] = total[offset : offset + hi - lo]
-            offset += hi - lo
+        _scatter(total, outs, pieces)
         await asyncio.gather(*(conn.send(Kind.AGGREGATE, total, key=base + c, clock=clock, dtype=wire, priority=bucket.priority) for conn in self._peers.values()))
         return total.nbytes * len(self._peers)
 
@@ -279,28 +289,20 @@ class AllReduceSyncer(Syncer):
         for s in range(steps):
             fut, acc = parts[(c, s)]
             await self._bounded(fut, bucket, clock, f"reduce-scatter step {s} of chunk {c} from rank {prev}")
-            pieces = layout.pieces(*slices[(r - s - 1) % P])
-            mine = np.concatenate([grads[i][lo:hi] for i, lo, hi in pieces]) if len(pieces) > 1 else grads[pieces[0][0]][pieces[0][1] : pieces[0][2]]
-            np.add(acc, mine, out=acc)
+            np.add(acc, _gathered(grads, layout.pieces(*slices[(r - s - 1) % P])), out=acc)
             if s < steps - 1:
                 await nxt.send(Kind.PUSH, acc, key=base + s + 1, clock=clock, dtype=wire, priority=bucket.priority)
                 sent += acc.nbytes
         # acc is now the sum of slice r + 1's chunk c over every rank: this rank owns it.
         np.divide(acc, acc.dtype.type(P), out=acc)
-        offset = 0
-        for i, lo, hi in layout.pieces(*slices[(r + 1) % P]):
-            outs[i][lo:hi] = acc[offset : offset + hi - lo]
-            offset += hi - lo
+        _scatter(acc, outs, layout.pieces(*slices[(r + 1) % P]))
         await nxt.send(Kind.AGGREGATE, acc, key=base, clock=clock, dtype=wire, priority=bucket.priority)
         sent += acc.nbytes
         for s in range(steps):
             fut, into, pieces = gathers[(c, s)]
             await self._bounded(fut, bucket, clock, f"all-gather step {s} of chunk {c} from rank {prev}")
             if pieces is not None:  # a chunk across arrays: scatter it
-                offset = 0
-                for i, lo, hi in pieces:
-                    outs[i][lo:hi] = into[offset : offset + hi - lo]
-                    offset += hi - lo
+                _scatter(into, outs, pieces)
             if s < steps - 1:
                 await nxt.send(Kind.AGGREGATE, into, key=base + s + 1, clock=clock, dtype=wire, priority=bucket.priority)
                 sent += into.nbytes
