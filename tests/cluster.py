@@ -1,7 +1,7 @@
 """Launch real worker processes the way torchrun would: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT in each one's environment, a fresh TCPStore port per job.
 
-``run_workers(world, target, *args)`` spawns ``target(rank, *args)`` in ``world`` processes and
+``run_workers(world, target, *args)`` starts ``target(rank, *args)`` in ``world`` processes and
 returns each rank's return value (or raises with the rank's traceback). Results travel back over a
 multiprocessing queue: a test harness channel, never the data path.
 """
@@ -25,6 +25,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What every child needs before it can run a line of a test: importing these costs 1.2-1.6 s of CPU
+# per process (torch most of it), 3-5 s on two cores beside a CPU hog, and a suite starts a few
+# hundred children. The fork server imports them once; each child is then a fork of it (tens of
+# ms). A fork server, not plain fork: it is forked from a clean process before any test runs, so no
+# child inherits pytest's event loops, sockets or threads. What a child needs from its parent
+# travels explicitly (``env`` below, the target's arguments), never through an inherited os.environ.
+PRELOAD = [
+    "torch",
+    "numpy",
+    "poseidon_aio.train",
+    "poseidon_aio.ps",
+    "tests.procs",
+    "tests.psworkers",
+    "tests.trainworkers",
+    "tests.lossyworkers",
+    "tests.faultworkers",
+    "tests.rdzvworkers",
+]
+
+
+def mp_context():
+    """The multiprocessing context every test child starts from (a fork server with ``PRELOAD``)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def _entry(rank: int, env: dict, out, target, args) -> None:
     os.environ.update(env)
     try:
@@ -40,7 +67,7 @@ class WorkerFailed(AssertionError):
 
 
 def start_workers(world: int, target, *args, port: int | None = None, env: dict | None = None):
-    ctx = multiprocessing.get_context("spawn")
+    ctx = mp_context()
     out = ctx.Queue()
     port = port or free_port()
     procs = []

@@ -1,9 +1,9 @@
 """Worker processes for the fault-injection suite, and the pool that drives them.
 
-Three spawned processes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set as torchrun would) meet at
+Three child processes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set as torchrun would) meet at
 one TCPStore for the pool's whole life and run one :class:`Case` at a time, each on a fresh event
 loop under its own key prefix (``Rendezvous.scoped``): a case that fails leaves nothing behind
-for the next, and torch is imported once per process instead of once per case (2-3 s each on two
+for the next, and each case runs on warm processes instead of three fresh ones (2-3 s each on two
 cores). Every rank hosts one shard (the co-located default); a case names which rank's connection
 to which remote shard goes through a :class:`~tests.faultproxy.FaultProxy`, which runs on that
 rank's own loop.
@@ -30,7 +30,7 @@ from poseidon_aio.errors import ConnectionLost, PeerTimeout, RemoteProtocolError
 from poseidon_aio.net import NetConfig, run
 from poseidon_aio.ps import PSConfig, PSNode, ServerSGD
 
-from .cluster import collect, start_workers
+from .cluster import collect, mp_context, start_workers
 from .faultproxy import Direction, FaultPlan, FaultProxy
 from .psworkers import digest, grad, manifest_of
 
@@ -267,7 +267,7 @@ class CasePool:
         self._results = None
 
     def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = mp_context()
         self._inboxes = [ctx.Queue() for _ in range(self.world)]
         self._results = ctx.Queue()
         self._procs, self._out = start_workers(self.world, serve_cases, self._inboxes, self._results)

@@ -1,4 +1,4 @@
-"""Worker bodies for the compression tests across real processes (run in spawned processes)."""
+"""Worker bodies for the compression tests across real processes (run in child processes forked from the tests' fork server, tests/cluster.py)."""
 
 from __future__ import annotations
 

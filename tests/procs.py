@@ -1,4 +1,5 @@
-"""Entry points of the child processes the integration tests start (spawn, not fork).
+"""Entry points of the child processes the integration tests start (from the fork server of
+``tests.cluster.mp_context``, never a fork of the test process).
 
 Each child runs its own event loop (uvloop through ``poseidon_aio.net.run``), reports its bound
 port through a ``multiprocessing`` pipe (a test harness channel, never the data path), and reports
@@ -8,13 +9,14 @@ what it saw back the same way when the parent says "stop".
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 from contextlib import contextmanager
 from pathlib import Path
 
 from poseidon_aio.net import NetConfig, TLSConfig, listen, run
 from poseidon_aio.wire import Kind
+
+from .cluster import mp_context
 
 DATA = Path(__file__).parent / "data"
 TOKEN = b"poseidon-test-token-0123456789ab"
@@ -31,8 +33,8 @@ def net_config(token: bytes = TOKEN, tls: bool = False, **overrides) -> NetConfi
 
 @contextmanager
 def child(target, *args, timeout: float = 30.0):
-    """Start ``target(pipe, *args)`` in a spawned process; yield ``(process, pipe, port)``."""
-    ctx = multiprocessing.get_context("spawn")
+    """Start ``target(pipe, *args)`` in a child process; yield ``(process, pipe, port)``."""
+    ctx = mp_context()
     parent_end, child_end = ctx.Pipe()
     proc = ctx.Process(target=target, args=(child_end, *args), daemon=True)
     proc.start()

@@ -1,4 +1,4 @@
-"""Models, data and worker bodies for the trainer tests (run in spawned processes)."""
+"""Models, data and worker bodies for the trainer tests (run in child processes forked from the tests' fork server, tests/cluster.py)."""
 
 from __future__ import annotations
 
