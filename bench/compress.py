@@ -13,7 +13,8 @@ Implementations, side by side in one run:
 * ``ddp``: ``DistributedDataParallel`` (gloo), exact;
 * ``ddp_powersgd``: DDP with its PowerSGD comm hook, the same rank as ours (``--rank``), error
   feedback and warm start on, PowerSGD from the second step (``start_powerSGD_iter=2``: the
-  earliest DDP allows with error feedback), its default minimum compression rate of 2;
+  earliest DDP allows with error feedback), its default minimum compression rate of 2, the
+  whole model in one bucket (with several the hook fails under gloo, see ``worker``);
 * ``ddp_fp16``: DDP with its fp16 comm hook;
 * ``exact``: poseidon (mode ``poseidon``: HybComm over PS, SFB and all-reduce, MG-WFBP), no
   compression;
@@ -67,7 +68,14 @@ def worker(cfg: dict) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         dist.init_process_group("gloo", rank=cfg["rank"], world_size=cfg["world"])
-        ddp = DistributedDataParallel(model)
+        # With DDP's default buckets (1 MiB first, then 25 MiB) its PowerSGD hook failed on the
+        # transformer every time: gloo's "collective mismatch" (one rank's all-reduce of 3536 bytes
+        # met another's of 1216), then a hang. The hook issues a bucket's later all-reduces from
+        # callbacks of its first, so which bucket's call comes next can differ between ranks. With
+        # the whole model in one bucket it runs (that bucket waits for the last gradient: no
+        # overlap, which costs DDP+PowerSGD little where the compressed bytes are few).
+        buckets = {"bucket_cap_mb": 1024} if cfg["impl"] == "ddp_powersgd" else {}
+        ddp = DistributedDataParallel(model, **buckets)
         if cfg["impl"] == "ddp_powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
