@@ -60,7 +60,7 @@ def worker(cfg: dict) -> None:
         loss_fn = lambda out, _: out.float().mean()  # noqa: E731 - the replayed outputs are zeros
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     total = cfg["warmup"] + cfg["steps"]
-    times, extra = [], {}
+    times, cpu, loop_cpu, extra = [], [], [], {}
     if cfg["impl"] == "ddp":
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
@@ -69,17 +69,19 @@ def worker(cfg: dict) -> None:
         ddp = DistributedDataParallel(model)
         for _ in range(total):
             dist.barrier()
-            started = time.perf_counter()
+            started, cpu0 = time.perf_counter(), time.process_time()
             opt.zero_grad()
             loss_fn(ddp(mine[0]), mine[1]).backward()
             opt.step()
             times.append(time.perf_counter() - started)
+            cpu.append(time.process_time() - cpu0)
         dist.barrier()
     else:
         import poseidon_aio
         from poseidon_aio import kernels
         from poseidon_aio.net import NetConfig, ShaperConfig
         from poseidon_aio.net.credentials import token_from_env
+        from poseidon_aio.sync import MergeConfig
 
         if replayed:
             rate = cfg["tflops"] * 1e12
@@ -93,26 +95,35 @@ def worker(cfg: dict) -> None:
             shaper = ShaperConfig(egress_rate=cfg["shaper_rate"], ingress_rate=cfg["shaper_rate"])
             net = NetConfig(token=token_from_env(), shaper=shaper)
 
+        groups = []
+
         async def main():
             stats = []
             ps = poseidon_aio.PSConfig(allreduce=cfg["allreduce"])
-            async with poseidon_aio.Trainer(model, opt, loss_fn, mode=cfg["impl"], net=net, ps=ps) as trainer:
+            merge = MergeConfig(kind=cfg["merge"]) if cfg.get("merge") and cfg["impl"] != "wfbp" else None
+            async with poseidon_aio.Trainer(model, opt, loss_fn, mode=cfg["impl"], net=net, ps=ps, merge=merge) as trainer:
                 for t in range(total):
-                    started = time.perf_counter()
+                    started, cpu0, loop0 = time.perf_counter(), time.process_time(), time.thread_time()
                     stats.append(await trainer.step(mine))
                     times.append(time.perf_counter() - started)
+                    cpu.append(time.process_time() - cpu0)
+                    loop_cpu.append(time.thread_time() - loop0)  # this thread runs the event loop
                     if t == 0 and replayed:  # the layers synced by factors compute no weight gradient
                         skip_weight_grad(model, [n for n, s in stats[0].schemes.items() if s in ("sfb", "adam")])
+                groups[:] = trainer.merge_groups
             return stats
 
         stats = poseidon_aio.run(main())[cfg["warmup"]:]
+        trainer_groups = [g for g in groups if len(g) > 1]  # the merged messages in force at the end
         extra = {
             "schemes": stats[-1].schemes,
+            "groups": trainer_groups,
             "compute_s": statistics.median(s.compute_s for s in stats),
             "bytes": statistics.median(sum(s.bytes.values()) for s in stats),
+            "loop_cpu_s": statistics.median(loop_cpu[cfg["warmup"]:]),
         }
     with open(cfg["out"], "w") as f:
-        json.dump({"times": times[cfg["warmup"]:], **extra}, f)
+        json.dump({"times": times[cfg["warmup"]:], "cpu": cpu[cfg["warmup"]:], **extra}, f)
     # gloo's teardown can hang once peers are gone; the result is written, leave at once.
     sys.stdout.flush()
     os._exit(0)
@@ -123,11 +134,15 @@ def worker(cfg: dict) -> None:
 
 def run_config(impl: str, model: str, world: int, link: str, compute: str, args, namespaces) -> dict:
     shaper_rate = RATES[link][1] if link != "loopback" and not namespaces and impl != "ddp" else None
-    cfg = dict(impl=impl, model=model, compute=compute, tflops=args.device_tflops, warmup=args.warmup, steps=args.steps, shaper_rate=shaper_rate, allreduce=args.allreduce)
+    cfg = dict(impl=impl, model=model, compute=compute, tflops=args.device_tflops, warmup=args.warmup, steps=args.steps, shaper_rate=shaper_rate, allreduce=args.allreduce, merge=args.merge)
     ranks = launch("bench.train", world, cfg, namespaces=namespaces, timeout=args.timeout, what=f"{impl} {model} x{world} on {link} ({compute})")
     # The job's step is its slowest rank's.
     steps = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
-    result = {"step_s": statistics.median(steps), "rank0": ranks[0]}
+    # CPU seconds a step, every thread of the process (gloo's included), median per rank, summed
+    # over ranks: what the job asks of the host's cores each step.
+    result = {"step_s": statistics.median(steps), "rank0": ranks[0], "cpu_s": sum(statistics.median(r["cpu"]) for r in ranks)}
+    if "loop_cpu_s" in ranks[0]:
+        result["loop_cpu_s"] = [r["loop_cpu_s"] for r in ranks]
     if "bytes" in ranks[0]:
         result["compute_s"] = max(r["compute_s"] for r in ranks)
         result["bytes"] = max(r["bytes"] for r in ranks)  # in + out, the busiest rank
@@ -156,6 +171,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--device-tflops", type=float, default=6.0, help="replayed device rate, TFLOP/s")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--allreduce", default="auto", choices=("auto", "ring", "direct"), help="PSConfig.allreduce for our runs")
+    parser.add_argument("--merge", default=None, choices=("none", "algorithm1", "optimal", "single"), help="MergeConfig.kind for our runs (default: the trainer's)")
     args = parser.parse_args(argv)
     if args.worker:
         worker(json.loads(args.worker))
@@ -184,34 +200,40 @@ def main(argv=None) -> dict:
                             results[impl] = run_config(impl, model, world, link, compute, args, names)
                     else:
                         results[impl] = run_config(impl, model, world, link, compute, args, None)
-                    print(f"  {link} {compute} {model} x{world} {impl}: {results[impl]['step_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+                    print(f"  {link} {compute} {model} x{world} {impl}: {results[impl]['step_s'] * 1e3:.1f} ms, CPU {results[impl]['cpu_s'] * 1e3:.1f} ms a step (all ranks)"
+                        + (f", event loop CPU per rank {[round(c * 1e3, 1) for c in results[impl]['loop_cpu_s']]} ms" if "loop_cpu_s" in results[impl] else ""), file=sys.stderr, flush=True)
                 row = {"link": link, "compute": compute, "model": model, "workers": world, **{i: results[i]["step_s"] for i in impls}}
+                row["cpu"] = {i: results[i]["cpu_s"] for i in impls}
                 tag = f"{model}_{link}_{compute}_{world}w"
                 if "poseidon" in results:
                     row["bound"] = lower_bound(results["poseidon"], link)
                     row["over_bound"] = results["poseidon"]["step_s"] / row["bound"]
                     row["schemes"] = results["poseidon"]["rank0"].get("schemes")
+                    row["groups"] = results["poseidon"]["rank0"].get("groups")
                     summary[f"over_bound_{tag}"] = round(row["over_bound"], 2)
                 if "ddp" in results and "poseidon" in results:
                     row["speedup"] = results["ddp"]["step_s"] / results["poseidon"]["step_s"]
                     summary[f"speedup_vs_ddp_{tag}"] = round(row["speedup"], 2)
                 rows.append(row)
     lines = [
-        "Step time, ms (median of the slowest rank); speedup = DDP ÷ poseidon; bound = max(compute, busiest link bytes ÷ rate)",
+        "Step time, ms (median of the slowest rank); speedup = DDP ÷ poseidon; bound = max(compute, busiest link bytes ÷ rate); "
+        "CPU a step = every thread's CPU ms, summed over the ranks (this host's cores are shared by all of them)",
         "",
-        "| link | compute | model | workers | " + " | ".join(impls) + " | bound | poseidon ÷ bound | speedup vs DDP |",
-        "|---|---|---|---|" + "---|" * (len(impls) + 3),
+        "| link | compute | model | workers | " + " | ".join(impls) + " | bound | poseidon ÷ bound | speedup vs DDP | CPU a step, all ranks: " + " / ".join(impls) + " |",
+        "|---|---|---|---|" + "---|" * (len(impls) + 4),
     ]
     for r in rows:
         cells = " | ".join(f"{r[i] * 1e3:.1f}" for i in impls)
         bound = f"{r['bound'] * 1e3:.1f} | {r['over_bound']:.2f}" if "bound" in r else "- | -"
-        lines.append(f"| {r['link']} | {r['compute']} | {r['model']} | {r['workers']} | {cells} | {bound} | {r.get('speedup', float('nan')):.2f} |")
+        cpu = " / ".join(f"{r['cpu'][i] * 1e3:.0f}" for i in impls)
+        lines.append(f"| {r['link']} | {r['compute']} | {r['model']} | {r['workers']} | {cells} | {bound} | {r.get('speedup', float('nan')):.2f} | {cpu} |")
     print("\n".join(lines))
     for n in notes:
         print(f"\nnote: {n}")
     for r in rows:
         if r.get("schemes"):
             print(f"poseidon schemes ({r['model']}, x{r['workers']}, {r['link']}, {r['compute']}): {r['schemes']}")
+            print(f"poseidon merged messages ({r['model']}, x{r['workers']}, {r['link']}, {r['compute']}): {r.get('groups') or 'none'}")
     speedups = [r["speedup"] for r in rows if "speedup" in r]
     bounds = [r["over_bound"] for r in rows if "over_bound" in r]
     out = {

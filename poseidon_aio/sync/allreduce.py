@@ -70,6 +70,7 @@ class _Layout:
                 lo = min(hi, lo + chunk_items)
         if len(self.chunks) > CHUNKS_PER_LAYER:
             raise ConfigError(f"a bucket of {total} elements makes {len(self.chunks)} chunks; raise the chunk size")
+        self._pieces: dict = {}  # (start, stop) -> pieces: the same few ranges, step after step
 
     def ring_chunks(self, chunk_items: int):
         """``chunks[c][j] = (start, stop)``: slice ``j`` cut into the same number of chunks of at
@@ -83,6 +84,12 @@ class _Layout:
 
     def pieces(self, start: int, stop: int) -> list:
         """``[(array, lo, hi)]`` covering flat elements ``[start, stop)``."""
+        out = self._pieces.get((start, stop))
+        if out is None:
+            out = self._pieces[(start, stop)] = self._cut(start, stop)
+        return out
+
+    def _cut(self, start: int, stop: int) -> list:
         out = []
         i = int(np.searchsorted(self.starts, start, side="right")) - 1
         while start < stop:

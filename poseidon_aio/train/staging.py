@@ -21,7 +21,7 @@ import torch
 
 
 def on_gpu(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "cuda"
+    return tensor.is_cuda  # an attribute read; ``tensor.device`` builds an object per call
 
 
 class Staging:
