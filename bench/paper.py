@@ -237,6 +237,77 @@ def simulate_beside(results: dict, args, rate_bits: float) -> tuple:
     return lines, (max(errors) if errors else None), mg
 
 
+# -- figures -------------------------------------------------------------------------------------
+
+
+def figures(out: str, results: dict, args, rate_bits: float) -> list:
+    """Per model: speed-up over one worker against workers, every scheme emulated, the
+    simulator's poseidon and naive PS beside them and on to 64 workers (ATC'17's scaling figure);
+    and the emulated iteration against its lower bound. PNGs in ``out``; none without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    from poseidon_aio.cluster.models import trace
+    from poseidon_aio.sync.cost import Link
+    from poseidon_aio.sync.simulator import Simulator
+
+    link = Link.of_bandwidth(rate_bits / 8, args.alpha_us * 1e-6)
+    paths = []
+    for model in sorted({m for m, _, _ in results}):
+        single = results.get((model, 1, "wfbp"))
+        if single is None:
+            continue
+        worlds = sorted({w for m, w, _ in results if m == model})
+        impls = [i for i in IMPLS if any((model, w, i) in results for w in worlds if w > 1)]
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.8))
+        far = sorted({*worlds, 32, 64})
+        ax.plot(far, far, "k:", label="linear")
+        for impl in impls:
+            ws = [w for w in worlds if (model, w, impl if w > 1 else "wfbp") in results]
+            ax.plot(ws, [w * single["step_s"] / results[(model, w, impl if w > 1 else "wfbp")]["step_s"] for w in ws], marker="o", label=f"{impl}, emulated")
+        tr = trace(model, args.batch)
+        rate = args.device_tflops * 1e12
+        one = Simulator(tr, 1, rate=rate, link=link, mode="wfbp").run().time
+        for impl, style in (("poseidon", "--"), ("naive", "-.")):
+            if impl in impls:
+                sims = [Simulator(tr, w, rate=rate, link=link, mode=impl if w > 1 else "wfbp").run().time for w in far]
+                ax.plot(far, [w * one / t for w, t in zip(far, sims)], style, label=f"{impl}, simulated")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("workers")
+        ax.set_ylabel("throughput speed-up over one worker")
+        ax.set_title(f"{model}, {args.link} per worker (bytes / {args.scale:g}, link / {args.scale:g})")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        width = 0.8 / max(1, len(impls))
+        for k, impl in enumerate(impls):
+            ws = [w for w in worlds if w > 1 and (model, w, impl) in results]
+            xs = [worlds.index(w) + k * width for w in ws]
+            bx.bar(xs, [results[(model, w, impl)]["step_s"] * 1e3 for w in ws], width, label=impl)
+        bounds = []
+        for w in worlds:
+            pos = results.get((model, w, "poseidon" if w > 1 else "wfbp"))
+            bounds.append(max(pos["compute_s"], pos["bytes"] / 2 / (rate_bits / 8)) * 1e3 if pos and "compute_s" in pos else float("nan"))
+        bx.plot([i + 0.4 - width / 2 for i in range(len(worlds))], bounds, "k_", ms=22, mew=2, label="poseidon's lower bound")
+        bx.set_xticks([i + 0.4 - width / 2 for i in range(len(worlds))])
+        bx.set_xticklabels([str(w) for w in worlds])
+        bx.set_ylim(bottom=0)
+        bx.set_xlabel("workers")
+        bx.set_ylabel("iteration, ms (full size)")
+        bx.set_title("emulated iteration time")
+        bx.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out, f"paper_{model}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench paper", description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -255,6 +326,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default="bench/out", help="where the figures and the raw results go")
     parser.add_argument("--simulate", action="store_true", default=True, help="run the simulator beside the emulation (default)")
     parser.add_argument("--no-simulate", dest="simulate", action="store_false")
+    parser.add_argument("--from-json", help="report (tables, simulator, figures) from a saved paper-emulated.json instead of emulating")
     args = parser.parse_args(argv)
     if args.worker:
         worker(json.loads(args.worker))
@@ -270,14 +342,22 @@ def main(argv=None) -> dict:
     worlds = [int(w) for w in args.workers.split(",")]
     impls = args.impls.split(",")
     results: dict = {}
-    for model in args.models.split(","):
+    if args.from_json:
+        with open(args.from_json) as f:
+            for key, r in json.load(f).items():
+                m, w, i = key.split("|")
+                results[(m, int(w), i)] = {**r, "rank0": {"schemes": r.get("schemes")}}
+        keep = set(args.models.split(","))
+        results = {k: v for k, v in results.items() if k[0] in keep and k[1] in worlds and (k[2] in impls or k[1] == 1)}
+    for model in args.models.split(",") if not args.from_json else []:
         for world in worlds:
             for impl in impls if world > 1 else ["wfbp"]:  # one worker: compute alone, whatever the scheme
                 res = run(model, impl, world, args, rate_bits)
                 results[(model, world, impl)] = res
                 print(f"  {model} x{world} {impl}: {res['step_s'] * 1e3:.0f} ms", file=sys.stderr, flush=True)
-    with open(os.path.join(args.out, "paper-emulated.json"), "w") as f:
-        json.dump({f"{m}|{w}|{i}": {k: v for k, v in r.items() if k != "rank0"} | {"schemes": r["rank0"].get("schemes")} for (m, w, i), r in results.items()}, f)
+    if not args.from_json:
+        with open(os.path.join(args.out, "paper-emulated.json"), "w") as f:
+            json.dump({f"{m}|{w}|{i}": {k: v for k, v in r.items() if k != "rank0"} | {"schemes": r["rank0"].get("schemes")} for (m, w, i), r in results.items()}, f)
     lines, summary = [], {}
     for model in args.models.split(","):
         single = results[(model, 1, "wfbp")]["step_s"] if (model, 1, "wfbp") in results else None
@@ -302,6 +382,8 @@ def main(argv=None) -> dict:
     if args.simulate:
         sim_lines, sim_error, mg_sim = simulate_beside(results, args, rate_bits)
         lines += sim_lines
+    paths = figures(args.out, results, args, rate_bits)
+    lines += ["", f"Figures: {', '.join(paths)}" if paths else "Figures: skipped (matplotlib is not installed: pip install '.[bench]')"]
     print("\n".join(lines))
     out = {
         "bench": "paper",
