@@ -34,6 +34,7 @@ import platform
 import statistics
 import sys
 import time
+from typing import Optional
 
 from bench import launch
 
@@ -237,6 +238,15 @@ def simulate_beside(results: dict, args, rate_bits: float) -> tuple:
     return lines, (max(errors) if errors else None), mg
 
 
+def lower_bound(results: dict, model: str, world: int, rate_bits: float) -> Optional[float]:
+    """Poseidon's per-iteration lower bound at ``world`` workers (one worker: its compute):
+    max(compute, the busiest link's bytes each way ÷ the rate); None where not emulated."""
+    pos = results.get((model, world, "poseidon" if world > 1 else "wfbp"))
+    if not pos or "compute_s" not in pos:
+        return None
+    return max(pos["compute_s"], pos["bytes"] / 2 / (rate_bits / 8))
+
+
 # -- figures -------------------------------------------------------------------------------------
 
 
@@ -288,10 +298,7 @@ def figures(out: str, results: dict, args, rate_bits: float) -> list:
             ws = [w for w in worlds if w > 1 and (model, w, impl) in results]
             xs = [worlds.index(w) + k * width for w in ws]
             bx.bar(xs, [results[(model, w, impl)]["step_s"] * 1e3 for w in ws], width, label=impl)
-        bounds = []
-        for w in worlds:
-            pos = results.get((model, w, "poseidon" if w > 1 else "wfbp"))
-            bounds.append(max(pos["compute_s"], pos["bytes"] / 2 / (rate_bits / 8)) * 1e3 if pos and "compute_s" in pos else float("nan"))
+        bounds = [(lower_bound(results, model, w, rate_bits) or float("nan")) * 1e3 for w in worlds]
         bx.plot([i + 0.4 - width / 2 for i in range(len(worlds))], bounds, "k_", ms=22, mew=2, label="poseidon's lower bound")
         bx.set_xticks([i + 0.4 - width / 2 for i in range(len(worlds))])
         bx.set_xticklabels([str(w) for w in worlds])
@@ -331,31 +338,31 @@ def main(argv=None) -> dict:
     if args.worker:
         worker(json.loads(args.worker))
         return {}
-    from bench import netns
-
-    capped, why = netns.available()
-    if not capped:
-        print(f"bench paper needs network namespaces (root and iproute2): {why}")
-        return {}
     rate_bits = _rate_bits(args.link)
     os.makedirs(args.out, exist_ok=True)
     worlds = [int(w) for w in args.workers.split(",")]
     impls = args.impls.split(",")
     results: dict = {}
-    if args.from_json:
+    if args.from_json:  # report only: no namespaces needed
         with open(args.from_json) as f:
             for key, r in json.load(f).items():
                 m, w, i = key.split("|")
                 results[(m, int(w), i)] = {**r, "rank0": {"schemes": r.get("schemes")}}
         keep = set(args.models.split(","))
         results = {k: v for k, v in results.items() if k[0] in keep and k[1] in worlds and (k[2] in impls or k[1] == 1)}
-    for model in args.models.split(",") if not args.from_json else []:
-        for world in worlds:
-            for impl in impls if world > 1 else ["wfbp"]:  # one worker: compute alone, whatever the scheme
-                res = run(model, impl, world, args, rate_bits)
-                results[(model, world, impl)] = res
-                print(f"  {model} x{world} {impl}: {res['step_s'] * 1e3:.0f} ms", file=sys.stderr, flush=True)
-    if not args.from_json:
+    else:
+        from bench import netns
+
+        capped, why = netns.available()
+        if not capped:
+            print(f"bench paper needs network namespaces (root and iproute2): {why}")
+            return {}
+        for model in args.models.split(","):
+            for world in worlds:
+                for impl in impls if world > 1 else ["wfbp"]:  # one worker: compute alone, whatever the scheme
+                    res = run(model, impl, world, args, rate_bits)
+                    results[(model, world, impl)] = res
+                    print(f"  {model} x{world} {impl}: {res['step_s'] * 1e3:.0f} ms", file=sys.stderr, flush=True)
         with open(os.path.join(args.out, "paper-emulated.json"), "w") as f:
             json.dump({f"{m}|{w}|{i}": {k: v for k, v in r.items() if k != "rank0"} | {"schemes": r["rank0"].get("schemes")} for (m, w, i), r in results.items()}, f)
     lines, summary = [], {}
@@ -370,8 +377,7 @@ def main(argv=None) -> dict:
         for world in worlds:
             row = [results.get((model, world, i if world > 1 else "wfbp")) for i in impls]
             cells = " | ".join(f"{r['step_s'] * 1e3:.0f}" if r else "-" for r in row)
-            pos = results.get((model, world, "poseidon" if world > 1 else "wfbp"))
-            bound = max(pos["compute_s"], pos["bytes"] / 2 / (rate_bits / 8)) if pos and "compute_s" in pos else None
+            bound = lower_bound(results, model, world, rate_bits)
             speed = " | ".join(f"{world * single / r['step_s']:.1f}" if r and single else "-" for r in row)
             lines.append(f"| {world} | {cells} | {bound * 1e3:.0f} | {speed} |" if bound else f"| {world} | {cells} | - | {speed} |")
             for impl, r in zip(impls, row):

@@ -95,8 +95,6 @@ def worker(cfg: dict) -> None:
             shaper = ShaperConfig(egress_rate=cfg["shaper_rate"], ingress_rate=cfg["shaper_rate"])
             net = NetConfig(token=token_from_env(), shaper=shaper)
 
-        groups = []
-
         async def main():
             stats = []
             ps = poseidon_aio.PSConfig(allreduce=cfg["allreduce"])
@@ -110,14 +108,13 @@ def worker(cfg: dict) -> None:
                     loop_cpu.append(time.thread_time() - loop0)  # this thread runs the event loop
                     if t == 0 and replayed:  # the layers synced by factors compute no weight gradient
                         skip_weight_grad(model, [n for n, s in stats[0].schemes.items() if s in ("sfb", "adam")])
-                groups[:] = trainer.merge_groups
-            return stats
+                return stats, trainer.merge_groups
 
-        stats = poseidon_aio.run(main())[cfg["warmup"]:]
-        trainer_groups = [g for g in groups if len(g) > 1]  # the merged messages in force at the end
+        stats, groups = poseidon_aio.run(main())
+        stats = stats[cfg["warmup"]:]
         extra = {
             "schemes": stats[-1].schemes,
-            "groups": trainer_groups,
+            "groups": [g for g in groups if len(g) > 1],  # the merged messages in force at the end
             "compute_s": statistics.median(s.compute_s for s in stats),
             "bytes": statistics.median(sum(s.bytes.values()) for s in stats),
             "loop_cpu_s": statistics.median(loop_cpu[cfg["warmup"]:]),

@@ -28,36 +28,23 @@ async def parameters(rank: int, peers: Mapping[int, object], arrays: Sequence[np
 
 async def buffers(rank: int, peers: Mapping[int, object], arrays: Sequence[np.ndarray], clock: int, timeout: float) -> None:
     """Rank 0's buffers (BatchNorm statistics) to every rank, at the end of step ``clock``: one
-    frame per peer and dtype. A ResNet-20 has 45 buffers, mostly a few hundred bytes; a frame
-    each, three peers, every step, cost rank 0's event loop more than the bytes did."""
-    if not peers:
-        return
+    frame per peer and dtype, not one per buffer (a ResNet-20 has 45, mostly a few hundred
+    bytes)."""
     groups: dict = {}  # dtype -> indices of the arrays of that dtype, in order
     for i, array in enumerate(arrays):
         groups.setdefault(array.dtype, []).append(i)
-    if rank == 0:
-        # One copy, into the frame: a send may still hold the bytes when the next forward
-        # updates the statistics in place.
-        sends = []
-        for key, (dtype, members) in enumerate(groups.items()):
-            payload = np.concatenate([arrays[i].reshape(-1) for i in members])
-            for conn in peers.values():
-                sends.append(conn.send(Kind.DATA, payload, key=key, clock=clock, dtype=WIRE_DTYPES.get(dtype, DType.BYTES)))
-        await asyncio.gather(*sends)
-        return
-    conn = peers[0]
-    landings = [(np.empty(sum(arrays[i].size for i in members), dtype=dtype), members) for dtype, members in groups.items()]
-    waits = [conn.expect(Kind.DATA, key, clock, into=flat) for key, (flat, _) in enumerate(landings)]
-    try:
-        await asyncio.wait_for(asyncio.gather(*waits), timeout)
-    except TimeoutError:
-        raise SyncTimeout(f"rank {rank}: rank 0's buffers for clock {clock} did not arrive within {timeout} s") from None
-    for flat, members in landings:
-        offset = 0
-        for i in members:
-            n = arrays[i].size
-            np.copyto(arrays[i], flat[offset : offset + n].reshape(arrays[i].shape))
-            offset += n
+    if rank == 0:  # (broadcast copies these again: a few KiB)
+        flats = [np.concatenate([arrays[i].reshape(-1) for i in members]) for members in groups.values()]
+    else:
+        flats = [np.empty(sum(arrays[i].size for i in members), dtype=dtype) for dtype, members in groups.items()]
+    await broadcast(rank, peers, flats, Kind.DATA, clock, timeout, what="buffers")
+    if rank != 0:
+        for flat, members in zip(flats, groups.values()):
+            offset = 0
+            for i in members:
+                n = arrays[i].size
+                np.copyto(arrays[i], flat[offset : offset + n].reshape(arrays[i].shape))
+                offset += n
 
 
 async def broadcast(

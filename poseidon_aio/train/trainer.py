@@ -460,8 +460,9 @@ class Trainer:
             await self._plan(batch)
         t = self.clock
         state = _Step(t, time.perf_counter())
+        measuring = bool(self._runtimes) and any(r.measuring(t) for r in self._runtimes.values())
         loop_cpu = time.thread_time()  # this (the event loop's) thread
-        loop_waited = _runqueue_wait()
+        loop_waited = _runqueue_wait() if measuring else 0.0  # a file read: warm-up steps only
         state.agg = self._aggregates(t)
         for layer in self.layers:
             captures = syncer_class(self.schemes[layer.index]).captures_factors
@@ -485,7 +486,7 @@ class Trainer:
         for scheme, n in state.bytes.items():
             self.bytes_total[scheme] = self.bytes_total.get(scheme, 0) + n
         self.clock += 1
-        if self._runtimes and any(r.measuring(t) for r in self._runtimes.values()):
+        if measuring:
             self._measure(state, time.thread_time() - loop_cpu, _runqueue_wait() - loop_waited)
             if any(r.due(t) for r in self._runtimes.values()):
                 await self._replan()  # the new syncers (and parameter server) start at the next clock
@@ -508,12 +509,14 @@ class Trainer:
         still be landing while this one runs, and each set is handed to ``param.grad`` for one
         optimizer step; fresh tensors instead would cost a page fault (and the kernel zeroing a
         page) per 4 KiB of the model every step: 50 MB for a 12.6 M-parameter model."""
-        ring = self.ps_config.staleness + 2
-        slot = clock % ring
+        slot = self._agg_slot(clock)
         agg = self._agg_ring.get(slot)
         if agg is None:
             agg = self._agg_ring[slot] = {i: torch.empty_like(p) for i, (_, p) in enumerate(self._named)}
         return agg
+
+    def _agg_slot(self, clock: int) -> int:
+        return clock % (self.ps_config.staleness + 2)
 
     def _loss(self, batch) -> torch.Tensor:
         if self.batch_loss is not None:
@@ -605,7 +608,7 @@ class Trainer:
     def _landing(self, state: _Step, i: int) -> np.ndarray:
         """Where parameter ``i``'s synchronized result lands for ``state``'s clock: the host view
         of its aggregate, made once per slot of the aggregate ring (the tensors are reused)."""
-        key = (state.clock % (self.ps_config.staleness + 2), i)
+        key = (self._agg_slot(state.clock), i)
         view = self._agg_views.get(key)
         if view is None:
             view = self._agg_views[key] = self.staging.landing(("agg", i), state.agg[i])
