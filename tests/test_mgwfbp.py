@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poseidon_aio.sync.mgwfbp import CommModel, fit, groups_of, iteration_time, merge_plan, optimal_plan, timeline
+from poseidon_aio.sync.cost import Scheme
+from poseidon_aio.sync.mgwfbp import CommModel, fit, groups_of, iteration_time, merge_plan, optimal_plan, timeline, with_launches
 
 
 def test_case_1_communication_hidden_nothing_merged():
@@ -93,3 +94,75 @@ def test_fit_recovers_alpha_and_beta():
     assert model.a == pytest.approx(91e-6, rel=1e-6) and model.b == pytest.approx(8e-10, rel=1e-6)
     with pytest.raises(ValueError):
         fit([1.0], [1.0])
+
+
+# -- a message's cost to the backward (serial > 0: several workers share the host's cores) --------
+
+
+def _brute_force(t_f, t_b, sizes, model):
+    L = len(t_b)
+    return min(
+        iteration_time(t_f, t_b, sizes, model, groups_of(L, {l for l, m in zip(range(2, L + 1), bits) if m}))
+        for bits in itertools.product([0, 1], repeat=L - 1)
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    t_b=st.lists(st.floats(1e-5, 5e-3), min_size=2, max_size=7),
+    data=st.data(),
+    a=st.floats(1e-5, 2e-3),
+    b=st.floats(1e-11, 1e-8),
+    serial=st.floats(1e-6, 3e-3),
+)
+def test_with_serial_the_dynamic_program_is_exact_and_algorithm_1_never_worse_than_wfbp_or_one_message(t_b, data, a, b, serial):
+    sizes = data.draw(st.lists(st.floats(1e2, 1e7), min_size=len(t_b), max_size=len(t_b)))
+    model = CommModel(a, b, serial)
+    exact, greedy = optimal_plan(1e-3, t_b, sizes, model), merge_plan(1e-3, t_b, sizes, model)
+    assert exact.t_iter == pytest.approx(_brute_force(1e-3, t_b, sizes, model), rel=1e-12, abs=1e-15)
+    assert exact.t_iter <= greedy.t_iter + 1e-15
+    assert greedy.t_iter <= greedy.t_iter_wfbp + 1e-12
+    assert greedy.t_iter <= greedy.t_iter_single + 1e-12
+
+
+def test_serial_cost_charges_each_message_sent_during_the_backward():
+    # Three layers, nothing to send: only the backward's delays count. Two messages are sent
+    # before the backward ends (layers 3 and 2), the last one after it.
+    t_b, sizes = [1e-3, 1e-3, 1e-3], [0.0, 0.0, 0.0]
+    model = CommModel(0.0, 0.0, 0.5e-3)
+    assert iteration_time(2e-3, t_b, sizes, model, ((1,), (2,), (3,))) == pytest.approx(5e-3 + 2 * 0.5e-3)
+    assert iteration_time(2e-3, t_b, sizes, model, ((1, 2, 3),)) == pytest.approx(5e-3)
+    assert with_launches(t_b, ((1,), (2, 3)), 0.5e-3) == [1.5e-3, 1e-3, 1e-3]
+
+
+def test_serial_cost_merges_what_the_paper_keeps_apart():
+    # Long backward gaps hide every message (the paper's case 1: nothing merged); when each
+    # message also takes 2 ms from the backward, merging pays, and the exact planner sends few.
+    t_b, sizes = [10e-3] * 8, [3e4] * 8
+    paper = CommModel(a=1e-3, b=1e-8)
+    shared = CommModel(a=1e-3, b=1e-8, serial=2e-3)
+    assert merge_plan(5e-3, t_b, sizes, paper).merged == ()
+    greedy, exact = merge_plan(5e-3, t_b, sizes, shared), optimal_plan(5e-3, t_b, sizes, shared)
+    assert len(greedy.groups) < 8 and greedy.t_iter < greedy.t_iter_wfbp
+    assert len(exact.groups) <= len(greedy.groups) and exact.t_iter <= greedy.t_iter
+
+
+def test_runtime_takes_the_serial_cost_out_of_the_measured_backward_and_plans_with_it():
+    from poseidon_aio.sync.runtime import MergeConfig, MergeRuntime
+
+    calibration = [(s, 2 * (1e-4 + 1e-8 * s)) for s in (4096, 65536, 1 << 20)]
+    layers, sizes = list(range(8)), [3e4] * 8
+
+    def plan(serial):
+        runtime = MergeRuntime(MergeConfig(kind="algorithm1"), rank=0, world=4, shards=4, scheme=Scheme.ALLREDUCE, calibration=calibration)
+        for _ in range(3):
+            # The warm-up: each layer's gradient 10 ms after the one above (its own message's
+            # serial cost included), ~0.2 ms of loop CPU a message.
+            ready = {layer: 0.1 + 0.01 * (8 - layer) for layer in layers}
+            runtime.record(0.05, 0.1, ready, layers, [], 0, 0.2e-3, serial)
+        return runtime.plan(layers, [f"l{i}" for i in layers], sizes)
+
+    alone, shared = plan(0.0), plan(8e-3)
+    assert alone["serial_s"] == 0.0 and len(alone["groups"]) == 8  # the paper's plan: nothing merged
+    assert shared["serial_s"] == pytest.approx(8e-3) and len(shared["groups"]) < 8
+    assert shared["predicted_s"]["plan"] < shared["predicted_s"]["wfbp"]

@@ -13,6 +13,15 @@ Theorem 1: layer l (2 <= l <= L) is a merged-gradient layer — its gradient tra
 l-1's — when ``tau_b[l-2] - tau_c[l] < a``, where ``tau_b[0]`` is the end of the backward pass.
 Algorithm 1 walks l = L .. 2, merging where the condition holds and recomputing the timeline after
 each merge (O(L^2)).
+
+Beyond the paper, a message may also cost the *backward* some time: ``serial``, the host CPU
+its sending takes from the compute where the cores are oversubscribed (several workers on one
+host: every message's Python and kernel work is taken from some rank's backward). The paper's
+model is ``serial = 0``, and then every function here is the paper's. With ``serial > 0`` each
+message sent while the backward runs pushes the rest of the backward back by ``serial``; merging
+l into l-1 then also gives that back, and never ends the two layers' messages later when
+``tau_b[l-2] - tau_c[l] < a + serial`` or ``b * p_l <= serial`` (l-1's gradient is ready
+``serial`` sooner; the merged message carries ``p_l`` more bytes).
 """
 
 from __future__ import annotations
@@ -27,10 +36,12 @@ from ..errors import ConfigError
 
 @dataclass(frozen=True)
 class CommModel:
-    """``T(p) = a + b * p`` seconds for a message of ``p`` bytes."""
+    """``T(p) = a + b * p`` seconds for a message of ``p`` bytes; each message sent during the
+    backward delays the rest of it by ``serial`` seconds (0: the paper's model)."""
 
     a: float
     b: float
+    serial: float = 0.0
 
     def time(self, nbytes: float) -> float:
         return self.a + self.b * nbytes if nbytes > 0 else 0.0
@@ -100,13 +111,26 @@ def groups_of(L: int, merged) -> tuple:
     return tuple(out)
 
 
+def with_launches(t_b: Sequence[float], groups, serial: float) -> list:
+    """``t_b`` with ``serial`` added to the backward of the layer below each message sent while
+    the backward still runs (a group whose lowest layer is ``k >= 2`` is sent as layer ``k - 1``
+    starts its backward)."""
+    out = list(t_b)
+    if serial:
+        for group in groups:
+            k = min(group)
+            if k >= 2:
+                out[k - 2] += serial
+    return out
+
+
 def iteration_time(t_f: float, t_b: Sequence[float], sizes: Sequence[float], model: CommModel, groups) -> float:
     """Iteration time when each group travels as one message sent once its lowest layer is ready."""
     L = len(t_b)
     t_c = [0.0] * L
     for group in groups:
         t_c[min(group) - 1] = model.time(sum(sizes[l - 1] for l in group))
-    return timeline(t_f, t_b, t_c)[2]
+    return timeline(t_f, with_launches(t_b, groups, model.serial), t_c)[2]
 
 
 def merge_plan(t_f: float, t_b: Sequence[float], sizes: Sequence[float], model: CommModel) -> MergePlan:
@@ -127,16 +151,19 @@ def merge_plan(t_f: float, t_b: Sequence[float], sizes: Sequence[float], model: 
         raise ConfigError(f"t_b ({len(t_b)} layers) and sizes ({len(sizes)}) must describe the same layers")
     p = [0.0] + [float(s) for s in sizes]
     t_c = [0.0] + [model.time(s) for s in p[1:]]
+    serial = model.serial
+    t_b_sent = with_launches(t_b, [(l,) for l in range(1, L + 1)], serial)  # every layer its own message
     merged = []
-    tau_b, tau_c, _ = timeline(t_f, t_b, t_c[1:])
+    tau_b, tau_c, _ = timeline(t_f, t_b_sent, t_c[1:])
     for l in range(L, 1, -1):
-        if tau_b[l - 2] - tau_c[l] < model.a:
+        if tau_b[l - 2] - tau_c[l] < model.a + serial or (serial > 0 and model.b * p[l] <= serial):
             t_c[l] = 0.0
             p[l - 1] += p[l]
             p[l] = 0.0
             t_c[l - 1] = model.time(p[l - 1])
+            t_b_sent[l - 2] -= serial  # layer l's message is no longer sent before l-1's backward
             merged.append(l)
-            tau_b, tau_c, _ = timeline(t_f, t_b, t_c[1:])
+            tau_b, tau_c, _ = timeline(t_f, t_b_sent, t_c[1:])
     groups = groups_of(L, set(merged))
     return MergePlan(
         merged=tuple(sorted(merged)),
@@ -167,6 +194,9 @@ def optimal_plan(t_f: float, t_b: Sequence[float], sizes: Sequence[float], model
     prefix = [0.0]
     for s in sizes:
         prefix.append(prefix[-1] + s)
+    if model.serial > 0:
+        groups = _optimal_groups_serial(ready, prefix, model)
+        return _plan_of(t_f, t_b, sizes, model, groups)
     free = [0.0] * (L + 2)
     cut = [0] * (L + 2)
     for k in range(L, 0, -1):
@@ -180,11 +210,47 @@ def optimal_plan(t_f: float, t_b: Sequence[float], sizes: Sequence[float], model
     while k <= L:
         groups.append(tuple(range(k, cut[k] + 1)))
         k = cut[k] + 1
+    return _plan_of(t_f, t_b, sizes, model, tuple(groups))
+
+
+def _optimal_groups_serial(ready: list, prefix: list, model: CommModel) -> tuple:
+    """The exact plan when each message sent during the backward costs it ``model.serial``: the
+    recursion of :func:`optimal_plan` with the number of messages already sent as a second state
+    (layer k's gradient is ready ``serial`` later for each), O(L^3)."""
+    L = len(ready) - 1
+    inf = float("inf")
+    # free[k][n]: the earliest the link is free after sending layers k..L as n messages.
+    free = [[inf] * (L + 2) for _ in range(L + 2)]
+    cut = [[0] * (L + 2) for _ in range(L + 2)]
+    free[L + 1][0] = 0.0
+    for k in range(L, 0, -1):
+        for n in range(1, L - k + 2):
+            at = ready[k] + model.serial * (n - 1)
+            best, best_h = inf, k
+            for h in range(k, L - n + 2):
+                above = free[h + 1][n - 1]
+                if above == inf:
+                    continue
+                end = max(above, at) + model.time(prefix[h] - prefix[k - 1])
+                if end < best:
+                    best, best_h = end, h
+            free[k][n], cut[k][n] = best, best_h
+    n = min(range(1, L + 1), key=lambda m: free[1][m])
+    groups, k = [], 1
+    while k <= L:
+        h = cut[k][n]
+        groups.append(tuple(range(k, h + 1)))
+        k, n = h + 1, n - 1
+    return tuple(groups)
+
+
+def _plan_of(t_f: float, t_b: Sequence[float], sizes: Sequence[float], model: CommModel, groups: tuple) -> MergePlan:
+    L = len(t_b)
     merged = tuple(sorted(l for g in groups for l in g[1:]))
     return MergePlan(
         merged=merged,
         groups=tuple(groups),
-        t_iter=iteration_time(t_f, t_b, sizes, model, tuple(groups)),
+        t_iter=iteration_time(t_f, t_b, sizes, model, groups),
         t_iter_wfbp=iteration_time(t_f, t_b, sizes, model, tuple((l,) for l in range(1, L + 1))),
         t_iter_single=iteration_time(t_f, t_b, sizes, model, (tuple(range(1, L + 1)),)),
     )

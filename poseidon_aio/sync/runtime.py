@@ -77,6 +77,7 @@ class _Samples:
     backward: dict = field(default_factory=dict)  # layer -> [seconds]
     ps: list = field(default_factory=list)  # (syncs, bytes, busy seconds)
     cpu: list = field(default_factory=list)  # the loop's CPU seconds per message, per step
+    serial: list = field(default_factory=list)  # of it, what the backward lost, per message, per step
 
 
 async def calibrate(rank: int, world: int, peers: Mapping[int, object], sizes: Sequence[int], timeout: float) -> list:
@@ -143,7 +144,15 @@ class MergeRuntime:
         return clock == self.config.after - 1
 
     def record(
-        self, forward_s: float, forward_end: float, ready: Mapping[int, float], layers: Sequence[int], spans: Sequence[tuple], nbytes: int, cpu_per_message: float = 0.0
+        self,
+        forward_s: float,
+        forward_end: float,
+        ready: Mapping[int, float],
+        layers: Sequence[int],
+        spans: Sequence[tuple],
+        nbytes: int,
+        cpu_per_message: float = 0.0,
+        serial_per_message: float = 0.0,
     ) -> None:
         """One warm-up step.
 
@@ -155,6 +164,8 @@ class MergeRuntime:
             spans: ``(start, end)`` of each of the step's syncs of this scheme.
             nbytes: bytes of those layers' parameters.
             cpu_per_message: the event loop's CPU seconds this step, per message it sent.
+            serial_per_message: of that, the seconds the backward lost to it (0 where the loop
+                has a core of its own; see ``Trainer._measure``).
         """
         s = self._samples
         s.forward.append(forward_s)
@@ -172,6 +183,7 @@ class MergeRuntime:
         s.ps.append((len(spans), nbytes, busy))
         if cpu_per_message:
             s.cpu.append(cpu_per_message)
+            s.serial.append(serial_per_message)
 
     def comm_model(self) -> CommModel:
         """Message time ``a + b p``: the per-byte cost from the ring calibration (the link's rate,
@@ -191,9 +203,10 @@ class MergeRuntime:
         # (a job's first step starts the parameter server and faults its buffers in: not a
         # message's cost)
         cpu = self._samples.cpu[1:] if len(self._samples.cpu) > 1 else self._samples.cpu
+        serial = self._samples.serial[1:] if len(self._samples.serial) > 1 else self._samples.serial
         if cpu:
             a = max(a, statistics.median(cpu))
-        return CommModel(a, b)
+        return CommModel(a, b, statistics.median(serial) if serial else 0.0)
 
     # -- the plan ---------------------------------------------------------------------------
 
@@ -202,11 +215,15 @@ class MergeRuntime:
         median = lambda xs: float(statistics.median(xs)) if xs else 0.0  # noqa: E731
         model = self.comm_model()
         t_b = [median(self._samples.backward.get(layer, [])) for layer in layers]
+        # The warm-up sent every layer as its own message, each as the layer below began its
+        # backward: what those took from it is in the measured time, and the plan puts back what
+        # its own messages take (mgwfbp.with_launches).
+        t_b = [max(0.0, t - model.serial) for t in t_b[:-1]] + t_b[-1:]
         planner = optimal_plan if self.config.kind is MergeKind.OPTIMAL else merge_plan
         plan = planner(median(self._samples.forward), t_b, sizes, model)
         return {
             "groups": [[names[i - 1] for i in group] for group in plan.groups],
-            "alpha_s": model.a, "beta_s_per_byte": model.b, "planner": self.config.kind.value,
+            "alpha_s": model.a, "beta_s_per_byte": model.b, "serial_s": model.serial, "planner": self.config.kind.value,
             "predicted_s": {"plan": plan.t_iter, "wfbp": plan.t_iter_wfbp, "single": plan.t_iter_single},
         }
 
