@@ -108,13 +108,15 @@ def worker(cfg: dict) -> None:
                     loop_cpu.append(time.thread_time() - loop0)  # this thread runs the event loop
                     if t == 0 and replayed:  # the layers synced by factors compute no weight gradient
                         skip_weight_grad(model, [n for n, s in stats[0].schemes.items() if s in ("sfb", "adam")])
-                return stats, trainer.merge_groups
+                return stats, trainer.merge_groups, trainer.merge_info
 
-        stats, groups = poseidon_aio.run(main())
+        stats, groups, info = poseidon_aio.run(main())
         stats = stats[cfg["warmup"]:]
         extra = {
             "schemes": stats[-1].schemes,
             "groups": [g for g in groups if len(g) > 1],  # the merged messages in force at the end
+            # what the planner saw (alpha, serial: seconds a message) and predicted (seconds a step)
+            "plan": {k: info[k] for k in ("alpha_s", "serial_s", "predicted_s") if k in (info or {})},
             "compute_s": statistics.median(s.compute_s for s in stats),
             "bytes": statistics.median(sum(s.bytes.values()) for s in stats),
             "loop_cpu_s": statistics.median(loop_cpu[cfg["warmup"]:]),
@@ -207,6 +209,7 @@ def main(argv=None) -> dict:
                     row["over_bound"] = results["poseidon"]["step_s"] / row["bound"]
                     row["schemes"] = results["poseidon"]["rank0"].get("schemes")
                     row["groups"] = results["poseidon"]["rank0"].get("groups")
+                    row["plan"] = results["poseidon"]["rank0"].get("plan")
                     summary[f"over_bound_{tag}"] = round(row["over_bound"], 2)
                 if "ddp" in results and "poseidon" in results:
                     row["speedup"] = results["ddp"]["step_s"] / results["poseidon"]["step_s"]
@@ -231,6 +234,10 @@ def main(argv=None) -> dict:
         if r.get("schemes"):
             print(f"poseidon schemes ({r['model']}, x{r['workers']}, {r['link']}, {r['compute']}): {r['schemes']}")
             print(f"poseidon merged messages ({r['model']}, x{r['workers']}, {r['link']}, {r['compute']}): {r.get('groups') or 'none'}")
+            if r.get("plan"):
+                plan = r["plan"]
+                predicted = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in plan.get("predicted_s", {}).items())
+                print(f"  the planner's: a message {plan.get('alpha_s', 0) * 1e3:.2f} ms on the link, {plan.get('serial_s', 0) * 1e3:.2f} ms of the backward; predicted ms: {predicted}")
     speedups = [r["speedup"] for r in rows if "speedup" in r]
     bounds = [r["over_bound"] for r in rows if "over_bound" in r]
     out = {

@@ -96,6 +96,23 @@ def test_fit_recovers_alpha_and_beta():
         fit([1.0], [1.0])
 
 
+def test_fit_takes_the_start_up_from_the_small_messages():
+    # 0.3 ms round trips of 4 KiB; the 4 MiB ones 3 % off the line either way, as at 1 Gbit
+    # through tbf: a least-squares intercept would be milliseconds, which no small message takes.
+    sizes = [4096, 65536, 1 << 20, 4 << 20] * 3
+    times = [3e-4 + 16e-9 * s * (1 + (0.03 if s == 4 << 20 and i % 2 else 0.0)) for i, s in enumerate(sizes)]
+    model = fit(sizes, times)
+    assert model.a == pytest.approx(3e-4 - 16e-9 * 4096 * (model.b / 16e-9 - 1), rel=1e-3)
+    assert model.a < 0.5e-3 and model.b == pytest.approx(16e-9, rel=0.05)
+
+
+def test_loop_cpu_per_byte_is_the_slope_over_the_four_crossings():
+    from poseidon_aio.sync.runtime import loop_cpu_per_byte
+
+    assert loop_cpu_per_byte([(4096, 1e-4 + 4 * 4096 * 2e-10), (1 << 20, 1e-4 + 4 * (1 << 20) * 2e-10)]) == pytest.approx(2e-10)
+    assert loop_cpu_per_byte([(4096, 1e-4)]) == 0.0
+
+
 # -- a message's cost to the backward (serial > 0: several workers share the host's cores) --------
 
 

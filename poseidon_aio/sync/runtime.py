@@ -80,9 +80,12 @@ class _Samples:
     serial: list = field(default_factory=list)  # of it, what the backward lost, per message, per step
 
 
-async def calibrate(rank: int, world: int, peers: Mapping[int, object], sizes: Sequence[int], timeout: float) -> list:
+async def calibrate(rank: int, world: int, peers: Mapping[int, object], sizes: Sequence[int], timeout: float, cpu: Optional[list] = None) -> list:
     """Round trips around the ring of ranks shaped like a PS sync (a PUSH out, an AGGREGATE of
-    the same size back), three per size, while the links are idle: ``[(bytes, seconds)]``."""
+    the same size back), three per size, while the links are idle: ``[(bytes, seconds)]``.
+
+    ``cpu``: where given, gets ``(bytes, seconds)`` of this thread's (the event loop's) CPU for
+    each round trip, which moves its size through this loop four times (out, in, out, in)."""
     nxt, prv = peers[(rank + 1) % world], peers[(rank - 1) % world]
     samples = []
     for i, size in enumerate(sizes):
@@ -91,7 +94,7 @@ async def calibrate(rank: int, world: int, peers: Mapping[int, object], sizes: S
             clock = _CALIBRATION_CLOCK + 10 * i + rep
             back = nxt.expect(Kind.AGGREGATE, _CALIBRATION_KEY, clock)
             incoming = prv.expect(Kind.PUSH, _CALIBRATION_KEY, clock)
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             await nxt.send(Kind.PUSH, payload, key=_CALIBRATION_KEY, clock=clock)
             try:
                 await asyncio.wait_for(incoming, timeout)
@@ -102,7 +105,17 @@ async def calibrate(rank: int, world: int, peers: Mapping[int, object], sizes: S
                     f"rank {rank}: a calibration message of {size} bytes did not come back from rank {nxt.peer_rank} within {timeout} s"
                 ) from None
             samples.append((size, time.perf_counter() - started))
+            if cpu is not None:
+                cpu.append((size, time.thread_time() - cpu_started))
     return samples
+
+
+def loop_cpu_per_byte(cpu: Sequence[tuple]) -> float:
+    """The event loop's CPU seconds per byte it sends or receives, from :func:`calibrate`'s
+    ``cpu`` samples (0 without two sizes)."""
+    if len({size for size, _ in cpu}) < 2:
+        return 0.0
+    return fit(*zip(*cpu)).b / 4
 
 
 def link_of(calibration: Sequence[tuple], flop: float = 0.0) -> Link:

@@ -58,7 +58,7 @@ from ..sync import (
     choose_schemes,
     syncer_class,
 )
-from ..sync.runtime import calibrate, link_of
+from ..sync.runtime import calibrate, link_of, loop_cpu_per_byte
 from ..sync import broadcast
 from . import checkpoint
 from . import compression as lossy
@@ -255,6 +255,7 @@ class Trainer:
         self._node: Optional[PSNode] = None
         self._runtimes: dict = {}  # mergeable Scheme -> MergeRuntime, while measuring
         self._calibration: list = []
+        self._loop_cpu_per_byte = 0.0  # the event loop's CPU per byte in or out, measured at start
         self._kernel_flop = 0.0  # seconds per FLOP of the sufficient-factor kernel, measured at start
         self._ready: dict = {}
         self._captures: dict = {}
@@ -329,7 +330,9 @@ class Trainer:
                 self._captures[layer.index] = FactorCapture(layer, self._on_ready_threadsafe)
         if self.world > 1 and (self.merge.planned or self.mode is Mode.POSEIDON):
             # alpha and beta for HybComm and the merge planner, while the links are idle
-            self._calibration = await calibrate(self.rank, self.world, self._job.peers, self.merge.calibration_sizes, self.ps_config.sync_timeout)
+            cpu: list = []
+            self._calibration = await calibrate(self.rank, self.world, self._job.peers, self.merge.calibration_sizes, self.ps_config.sync_timeout, cpu)
+            self._loop_cpu_per_byte = loop_cpu_per_byte(cpu)
         if self.world > 1 and self.mode is Mode.POSEIDON:
             self._kernel_flop = await self._loop.run_in_executor(self._reduce, _time_reconstruction, self.world)
         self._started = True
@@ -819,9 +822,16 @@ class Trainer:
         # workers, 2 cores: 8 messages more, +21 ms a step, +8.6 ms of the loop's CPU), about its
         # CPU plus its wait. Where the loop has a core of its own it runs beside the backward and
         # hardly waits; the wait is the evidence, so the backward is charged at most twice it.
+        #
+        # Only what a message costs as a message counts: the loop's CPU for the step's bytes
+        # (copies, the kernel's socket work; ``_loop_cpu_per_byte``, timed at start-up) is the
+        # same however the layers are grouped, and the wait is shared in proportion.
         messages = max(1, len(state.spans))
-        per_message = (loop_cpu + loop_waited) / messages
-        serial = min(loop_cpu + loop_waited, 2.0 * loop_waited) / messages
+        moved = sum(state.bytes.values())  # sent and received, every scheme
+        fixed = max(0.0, loop_cpu - self._loop_cpu_per_byte * moved)
+        waited = loop_waited * (fixed / loop_cpu if loop_cpu > 0 else 1.0)
+        per_message = (fixed + waited) / messages
+        serial = min(fixed + waited, 2.0 * waited) / messages
         for scheme, runtime in self._runtimes.items():
             layers = [layer.index for layer in self._layers_of(scheme)]
             spans = [(s.start, s.end) for s in state.spans if s.scheme is scheme and s.end]
