@@ -220,8 +220,7 @@ class MergeRuntime:
         a = round_trip.a
         # (a job's first step starts the parameter server and faults its buffers in: not a
         # message's cost)
-        cpu = self._samples.cpu[1:] if len(self._samples.cpu) > 1 else self._samples.cpu
-        serial = self._samples.serial[1:] if len(self._samples.serial) > 1 else self._samples.serial
+        cpu, serial = (xs[1:] if len(xs) > 1 else xs for xs in (self._samples.cpu, self._samples.serial))
         if cpu:
             a = max(a, statistics.median(cpu))
         return CommModel(a, b, statistics.median(serial) if serial else 0.0)
