@@ -328,7 +328,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--device-tflops", type=float, default=4.2)
     parser.add_argument("--alpha-us", type=float, default=50.0, help="start-up per message the simulator charges (our event loop's, measured ~50 us)")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=4, help="untimed iterations (merging is planned after 3)")
+    parser.add_argument("--warmup", type=int, default=7, help="untimed iterations (merging is planned after 3 and judged after 3 more)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--out", default="bench/out", help="where the figures and the raw results go")
     parser.add_argument("--simulate", action="store_true", default=True, help="run the simulator beside the emulation (default)")

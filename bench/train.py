@@ -116,7 +116,7 @@ def worker(cfg: dict) -> None:
             "schemes": stats[-1].schemes,
             "groups": [g for g in groups if len(g) > 1],  # the merged messages in force at the end
             # what the planner saw (alpha, serial: seconds a message) and predicted (seconds a step)
-            "plan": {k: info[k] for k in ("alpha_s", "serial_s", "predicted_s") if k in (info or {})},
+            "plan": {k: info[k] for k in ("alpha_s", "serial_s", "predicted_s", "trial") if k in (info or {})},
             "compute_s": statistics.median(s.compute_s for s in stats),
             "bytes": statistics.median(sum(s.bytes.values()) for s in stats),
             "loop_cpu_s": statistics.median(loop_cpu[cfg["warmup"]:]),
@@ -166,7 +166,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--workers", default="2,4")
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=4, help="untimed steps (merging is planned after 3)")
+    parser.add_argument("--warmup", type=int, default=7, help="untimed steps (merging is planned after 3 and judged after 3 more)")
     parser.add_argument("--device-tflops", type=float, default=6.0, help="replayed device rate, TFLOP/s")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--allreduce", default="auto", choices=("auto", "ring", "direct"), help="PSConfig.allreduce for our runs")
@@ -238,6 +238,10 @@ def main(argv=None) -> dict:
                 plan = r["plan"]
                 predicted = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in plan.get("predicted_s", {}).items())
                 print(f"  the planner's: a message {plan.get('alpha_s', 0) * 1e3:.2f} ms on the link, {plan.get('serial_s', 0) * 1e3:.2f} ms of the backward; predicted ms: {predicted}")
+                if plan.get("trial"):
+                    trial = plan["trial"]
+                    verdict = "kept" if trial["kept"] else "dropped for one message per layer"
+                    print(f"  its trial: {trial['planned_s'] * 1e3:.1f} ms a step against {trial['unmerged_s'] * 1e3:.1f} unmerged: {verdict}")
     speedups = [r["speedup"] for r in rows if "speedup" in r]
     bounds = [r["over_bound"] for r in rows if "over_bound" in r]
     out = {

@@ -8,6 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from poseidon_aio.errors import ConfigError
+from poseidon_aio.sync import MergeConfig
 from poseidon_aio.sync.cost import Scheme
 from poseidon_aio.sync.mgwfbp import CommModel, fit, groups_of, iteration_time, merge_plan, optimal_plan, timeline, with_launches
 
@@ -163,3 +165,21 @@ def test_runtime_takes_the_serial_cost_out_of_the_measured_backward_and_plans_wi
     assert alone["serial_s"] == 0.0 and len(alone["groups"]) == 8  # the paper's plan: nothing merged
     assert shared["serial_s"] == pytest.approx(8e-3) and len(shared["groups"]) < 8
     assert shared["predicted_s"]["plan"] < shared["predicted_s"]["wfbp"]
+
+
+def test_a_merge_plan_is_kept_only_if_the_slowest_ranks_step_got_faster():
+    from poseidon_aio.sync.runtime import judge_trial
+
+    # Each phase's first step is left out; a step counts at its slowest rank.
+    warm = {0: [9.0, 0.040, 0.050], 1: [9.0, 0.045, 0.041]}  # steps 0.045, 0.050: median 0.0475
+    faster = {0: [5.0, 0.030, 0.046], 1: [5.0, 0.031, 0.032]}  # 0.031, 0.046: 0.0385
+    slower = {0: [5.0, 0.030, 0.030], 1: [5.0, 0.060, 0.060]}  # rank 1 is the step: 0.060
+    assert judge_trial(warm, faster) == {"kept": True, "unmerged_s": pytest.approx(0.0475), "planned_s": pytest.approx(0.0385)}
+    assert judge_trial(warm, slower)["kept"] is False
+    assert judge_trial(warm, warm)["kept"] is False  # no gain, no merge: one message per layer stays
+    assert judge_trial({0: [0.05]}, {0: [0.04]})["kept"] is True  # one step each: nothing to leave out
+
+
+def test_merge_config_rejects_a_negative_trial():
+    with pytest.raises(ConfigError, match="trial"):
+        MergeConfig(trial=-1)

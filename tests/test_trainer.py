@@ -132,10 +132,11 @@ def test_merged_and_unmerged_syncs_give_bitwise_equal_results_and_one_plan_every
         ("single", "mgwfbp", None, "single"),
         ("alg1", "mgwfbp", None, "algorithm1"),
         ("optimal", "mgwfbp", None, "optimal"),
+        ("trial", "mgwfbp", None, "optimal", {"merge_trial": 2}),
     ]
     res = run_workers(3, train_worker, spec, 2, runs, 4, 4, {}, timeout=180)
     base = res[0]["wfbp"]["params"]
-    for label in ("single", "alg1", "optimal"):
+    for label in ("single", "alg1", "optimal", "trial"):
         for r in range(3):
             assert all(a.tobytes() == b.tobytes() for a, b in zip(base, res[r][label]["params"])), f"{label} on rank {r}"
     assert len(res[0]["single"]["groups"]) == 1
@@ -145,6 +146,17 @@ def test_merged_and_unmerged_syncs_give_bitwise_equal_results_and_one_plan_every
         assert res[0][label]["info"]["groups"]
     # Tiny layers on loopback: start-up dominates, so something must have been merged.
     assert len(res[0]["optimal"]["groups"]) < 5
+    # The same plan on trial (warm-up step 0, trial steps 1-2, the verdict's groups at step 3):
+    # whichever way the machine's load judged it, every rank took the same verdict and groups.
+    verdicts = [res[r]["trial"]["info"]["trial"] for r in range(3)]
+    assert all(v == verdicts[0] for v in verdicts) and set(verdicts[0]) == {"kept", "unmerged_s", "planned_s"}
+    assert len({json_groups(res[r]["trial"]["groups"]) for r in range(3)}) == 1
+    trial = res[0]["trial"]
+    if verdicts[0]["kept"]:
+        assert trial["groups"] == trial["info"]["groups"] and len(trial["groups"]) < 5
+    else:
+        assert trial["groups"] == [[name] for group in trial["info"]["rejected_groups"] for name in group]
+        assert len(trial["info"]["rejected_groups"]) < 5
 
 
 def json_groups(groups) -> str:

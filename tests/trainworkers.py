@@ -79,7 +79,9 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
                 rest = [n for n, _ in owners if n != first]
                 overrides = {first: "sfb", **{n: ("allreduce", "ps")[i % 2] for i, n in enumerate(rest)}}
             opt = make_optimizer(model)
-            merging = MergeConfig(kind=merge, after=1, calibration_sizes=(4096, 65536))
+            # A plan is kept untried unless a run asks for its trial: which way a trial goes is the
+            # machine's load, and these tests check what a plan does.
+            merging = MergeConfig(kind=merge, after=1, calibration_sizes=(4096, 65536), trial=extra.pop("merge_trial", 0))
             trainer = poseidon_aio.Trainer(
                 model, opt, nn.functional.cross_entropy, mode=mode, schemes=overrides,
                 ps=ps, rendezvous=rdzv.job(label), merge=merging, **extra,

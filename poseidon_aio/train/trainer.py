@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -58,7 +58,7 @@ from ..sync import (
     choose_schemes,
     syncer_class,
 )
-from ..sync.runtime import calibrate, link_of, loop_cpu_per_byte
+from ..sync.runtime import calibrate, judge_trial, link_of, loop_cpu_per_byte
 from ..sync import broadcast
 from . import checkpoint
 from . import compression as lossy
@@ -210,7 +210,7 @@ class Trainer:
             )
         if merge.kind is None:
             merging = mode in (Mode.MGWFBP, Mode.POSEIDON) and ps.server_sgd is None
-            merge = MergeConfig(MergeKind.ALGORITHM1 if merging else MergeKind.NONE, merge.after, merge.calibration_sizes)
+            merge = replace(merge, kind=MergeKind.ALGORITHM1 if merging else MergeKind.NONE)
         if merge.kind is not MergeKind.NONE and mode in (Mode.NAIVE, Mode.WFBP):
             raise ConfigError(f"mode {mode.value!r} sends every layer on its own; merging is mode 'mgwfbp' or 'poseidon'")
         self.model = model
@@ -254,6 +254,8 @@ class Trainer:
         self._job: Optional[Job] = None
         self._node: Optional[PSNode] = None
         self._runtimes: dict = {}  # mergeable Scheme -> MergeRuntime, while measuring
+        self._step_times: list = []  # this rank's step seconds, warm-up then the plan's trial
+        self._trial_from: Optional[int] = None  # the clock of the merge plan's first trial step
         self._calibration: list = []
         self._loop_cpu_per_byte = 0.0  # the event loop's CPU per byte in or out, measured at start
         self._kernel_flop = 0.0  # seconds per FLOP of the sufficient-factor kernel, measured at start
@@ -489,10 +491,14 @@ class Trainer:
         for scheme, n in state.bytes.items():
             self.bytes_total[scheme] = self.bytes_total.get(scheme, 0) + n
         self.clock += 1
+        if measuring or self._trial_from is not None:
+            self._step_times.append(done - state.started)
         if measuring:
             self._measure(state, time.thread_time() - loop_cpu, _runqueue_wait() - loop_waited)
             if any(r.due(t) for r in self._runtimes.values()):
                 await self._replan()  # the new syncers (and parameter server) start at the next clock
+        elif self._trial_from is not None and t == self._trial_from + self.merge.trial - 1:
+            await self._judge()
         self.tracer.step(t, state.started, state.compute_end, state.spans, done, state.work)
         return StepStats(
             clock=t,
@@ -857,16 +863,52 @@ class Trainer:
             groups[scheme] = [sorted(by_name[n] for n in group) for group in info["groups"]]
             infos[scheme.value] = info
         self._runtimes = {}
+        await self._rebuild(groups)
+        self._set_merge_info(infos)
+        log.info("rank %d: merge plans %s", self.rank, {k: v["groups"] for k, v in infos.items()})
+        merges = any(len(g) > 1 for scheme in infos for g in groups[Scheme(scheme)])
+        if merges and self.merge.trial:
+            self._trial_from = self.clock  # the warm-up's step times stay in _step_times
+        else:
+            self._step_times = []
+
+    async def _judge(self) -> None:
+        """End the merge plan's trial: every rank's step times go round, each rank reaches the
+        same verdict (:func:`judge_trial`), and a plan that did not make the step faster than
+        the warm-up's one message per layer gives way to it."""
+        warm = self.merge.after
+        mine = json.dumps({"warm": self._step_times[:warm], "trial": self._step_times[warm:]})
+        seen = await self._job.rendezvous.exchange(f"merge-trial/{self._generation}", mine, range(self.world))
+        figures = {r: json.loads(text) for r, text in seen.items()}
+        verdict = judge_trial({r: f["warm"] for r, f in figures.items()}, {r: f["trial"] for r, f in figures.items()})
+        self._trial_from, self._step_times = None, []
+        self.merge_info["trial"] = verdict
+        if verdict["kept"]:
+            log.info("rank %d: merge plan kept (%.1f ms a step against %.1f unmerged)", self.rank, verdict["planned_s"] * 1e3, verdict["unmerged_s"] * 1e3)
+            return
+        await self._rebuild({scheme: [[layer.index] for layer in self._layers_of(scheme)] for scheme in self._mergeable()})
+        infos = self.merge_info.get("schemes", {})
+        for name, info in infos.items():
+            info["rejected_groups"], info["groups"] = info["groups"], [[layer.name] for layer in self._layers_of(Scheme(name))]
+        self._set_merge_info(infos, trial=verdict)
+        log.warning(
+            "rank %d: the merge plan ran %.1f ms a step against %.1f with one message per layer; back to one per layer",
+            self.rank, verdict["planned_s"] * 1e3, verdict["unmerged_s"] * 1e3,
+        )
+
+    def _set_merge_info(self, infos: dict, **extra) -> None:
+        # The plan of the scheme with the most layers leads (``merge_info`` of a PS-only model is
+        # the PS plan, as before); every scheme's is kept under its name.
+        lead = max(infos, key=lambda name: len(infos[name]["groups"]), default=None)
+        self.merge_info = {**(infos[lead] if lead else {}), "schemes": infos, **extra}
+
+    async def _rebuild(self, groups: dict) -> None:
+        """New syncers (and a new parameter server) with these groups, from the next clock."""
         await self._drain()
         self._count_shard_bytes(self.bytes_total)
         await self._close_ps()
         self._generation += 1
         await self._build_syncers(groups)
-        # The plan of the scheme with the most layers leads (``merge_info`` of a PS-only model is
-        # the PS plan, as before); every scheme's is kept under its name.
-        lead = max(infos, key=lambda name: len(infos[name]["groups"]), default=None)
-        self.merge_info = {**(infos[lead] if lead else {}), "schemes": infos}
-        log.info("rank %d: merge plans %s", self.rank, {k: v["groups"] for k, v in infos.items()})
 
     # -- broadcast --------------------------------------------------------------------------
 
