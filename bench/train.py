@@ -16,9 +16,11 @@ Links and compute:
   Without root, our processes are capped by the library's shaper and DDP runs uncapped, and the
   report says so.
 
-A step's time is the median over the timed steps of the slowest rank. Each row also has the
-**lower bound** of poseidon's step: max(its compute (forward + backward on the compute thread),
-the bytes on its busiest link ÷ the link's rate), the rate being the cap (none on loopback).
+A step's time is the median over the timed steps of the slowest rank; with ``--repeats R`` every
+implementation runs R times, interleaved, and a row's speedup is the median of the R ratios (min–max
+shown): the noise a single run hides. Each row also has the **lower bound** of poseidon's step:
+max(its compute (forward + backward on the compute thread), the bytes on its busiest link ÷ the
+link's rate), the rate being the cap (none on loopback).
 
 The last line is one JSON object: ``speedup_vs_ddp_fc_1gbit`` (replayed, 4 workers, as before),
 ``speedup_vs_ddp_fc_1gbit_real``, ``min_speedup_vs_ddp`` (the worst row) and
@@ -148,6 +150,11 @@ def run_config(impl: str, model: str, world: int, link: str, compute: str, args,
     return result
 
 
+def median_run(runs: list) -> dict:
+    """The run whose step time is the median of the repeats (the lower one of an even count)."""
+    return sorted(runs, key=lambda r: r["step_s"])[(len(runs) - 1) // 2]
+
+
 def lower_bound(result: dict, link: str) -> float:
     """max(compute, the busiest link's bytes each way ÷ its rate): no schedule beats it."""
     bound = result["compute_s"]
@@ -166,12 +173,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--workers", default="2,4")
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every implementation per row, interleaved; the row is their median, its speedup the median of the repeats' ratios (min–max shown)")
     parser.add_argument("--warmup", type=int, default=7, help="untimed steps (merging is planned after 3 and judged after 3 more)")
     parser.add_argument("--device-tflops", type=float, default=6.0, help="replayed device rate, TFLOP/s")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--allreduce", default="auto", choices=("auto", "ring", "direct"), help="PSConfig.allreduce for our runs")
     parser.add_argument("--merge", default=None, choices=("none", "algorithm1", "optimal", "single"), help="MergeConfig.kind for our runs (default: the trainer's)")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     if args.worker:
         worker(json.loads(args.worker))
         return {}
@@ -192,15 +202,21 @@ def main(argv=None) -> dict:
         link, compute = setup.split(":")
         for model in args.models.split(","):
             for world in (int(w) for w in args.workers.split(",")):
-                results = {}
-                for impl in impls:
-                    if link != "loopback" and capped:
-                        with netns.hosts(world, RATES[link][0]) as names:
-                            results[impl] = run_config(impl, model, world, link, compute, args, names)
-                    else:
-                        results[impl] = run_config(impl, model, world, link, compute, args, None)
-                    print(f"  {link} {compute} {model} x{world} {impl}: {results[impl]['step_s'] * 1e3:.1f} ms, CPU {results[impl]['cpu_s'] * 1e3:.1f} ms a step (all ranks)"
-                        + (f", event loop CPU per rank {[round(c * 1e3, 1) for c in results[impl]['loop_cpu_s']]} ms" if "loop_cpu_s" in results[impl] else ""), file=sys.stderr, flush=True)
+                # Each repeat runs every implementation once, in turn, so a slow minute of the shared
+                # host lands on all of them; the row takes the median repeat of each and the ratio
+                # of each repeat's pair (DDP's and ours, minutes apart at most).
+                runs = {impl: [] for impl in impls}
+                for rep in range(args.repeats):
+                    for impl in impls:
+                        if link != "loopback" and capped:
+                            with netns.hosts(world, RATES[link][0]) as names:
+                                result = run_config(impl, model, world, link, compute, args, names)
+                        else:
+                            result = run_config(impl, model, world, link, compute, args, None)
+                        runs[impl].append(result)
+                        print(f"  {link} {compute} {model} x{world} {impl}" + (f" (repeat {rep + 1})" if args.repeats > 1 else "") + f": {result['step_s'] * 1e3:.1f} ms, CPU {result['cpu_s'] * 1e3:.1f} ms a step (all ranks)"
+                            + (f", event loop CPU per rank {[round(c * 1e3, 1) for c in result['loop_cpu_s']]} ms" if "loop_cpu_s" in result else ""), file=sys.stderr, flush=True)
+                results = {impl: median_run(runs[impl]) for impl in impls}
                 row = {"link": link, "compute": compute, "model": model, "workers": world, **{i: results[i]["step_s"] for i in impls}}
                 row["cpu"] = {i: results[i]["cpu_s"] for i in impls}
                 tag = f"{model}_{link}_{compute}_{world}w"
@@ -212,11 +228,13 @@ def main(argv=None) -> dict:
                     row["plan"] = results["poseidon"]["rank0"].get("plan")
                     summary[f"over_bound_{tag}"] = round(row["over_bound"], 2)
                 if "ddp" in results and "poseidon" in results:
-                    row["speedup"] = results["ddp"]["step_s"] / results["poseidon"]["step_s"]
+                    ratios = sorted(d["step_s"] / p["step_s"] for d, p in zip(runs["ddp"], runs["poseidon"]))
+                    row["speedup"] = statistics.median(ratios)
+                    row["spread"] = (ratios[0], ratios[-1])
                     summary[f"speedup_vs_ddp_{tag}"] = round(row["speedup"], 2)
                 rows.append(row)
     lines = [
-        "Step time, ms (median of the slowest rank); speedup = DDP ÷ poseidon; bound = max(compute, busiest link bytes ÷ rate); "
+        "Step time, ms (median of the slowest rank); speedup = DDP ÷ poseidon (with repeats: the median of the repeats' ratios, min–max); bound = max(compute, busiest link bytes ÷ rate); "
         "CPU a step = every thread's CPU ms, summed over the ranks (this host's cores are shared by all of them)",
         "",
         "| link | compute | model | workers | " + " | ".join(impls) + " | bound | poseidon ÷ bound | speedup vs DDP | CPU a step, all ranks: " + " / ".join(impls) + " |",
@@ -226,7 +244,10 @@ def main(argv=None) -> dict:
         cells = " | ".join(f"{r[i] * 1e3:.1f}" for i in impls)
         bound = f"{r['bound'] * 1e3:.1f} | {r['over_bound']:.2f}" if "bound" in r else "- | -"
         cpu = " / ".join(f"{r['cpu'][i] * 1e3:.0f}" for i in impls)
-        lines.append(f"| {r['link']} | {r['compute']} | {r['model']} | {r['workers']} | {cells} | {bound} | {r.get('speedup', float('nan')):.2f} | {cpu} |")
+        speedup = f"{r.get('speedup', float('nan')):.2f}"
+        if args.repeats > 1 and "spread" in r:
+            speedup += f" ({r['spread'][0]:.2f}–{r['spread'][1]:.2f})"
+        lines.append(f"| {r['link']} | {r['compute']} | {r['model']} | {r['workers']} | {cells} | {bound} | {speedup} | {cpu} |")
     print("\n".join(lines))
     for n in notes:
         print(f"\nnote: {n}")

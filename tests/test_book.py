@@ -104,6 +104,21 @@ def test_queries():
     assert [m.id for m in book.messages_of_params([1])] == [book.message_of(book.keys_of("layer1.weight")[0].key).id]
 
 
+@settings(max_examples=60, deadline=None)
+@given(shape_list=shapes, shards=st.integers(1, 6), chunk=st.sampled_from([256, 1000, 4096]), asks=st.integers(1, 3))
+def test_a_layers_messages_and_slices_cover_it_exactly_however_often_asked(shape_list, shards, chunk, asks):
+    # The trainer asks the book about every layer on every step (answers kept after the first).
+    book = InformationBook(manifest(shape_list), workers=2, shards=shards, chunk_bytes=chunk)
+    flat = {i: np.arange(s.numel, dtype=np.float32) for i, s in enumerate(book.manifest)}
+    for _ in range(asks):
+        for i in range(len(shape_list)):
+            messages = book.messages_of_params([i])
+            assert messages == tuple(m for m in book.messages if any(book.pairs[k].param == i for k in m.keys))
+            pieces = sorted((int(v[0]), v.size) for m in messages for v in book.slices(m, flat) if v.size)
+            covered = np.concatenate([np.arange(start, start + n) for start, n in pieces])
+            assert np.array_equal(covered, flat[i].astype(np.int64))  # every element once, in order
+
+
 def test_merge_groups_pack_small_layers_per_shard():
     m = manifest([(8,)] * 6)
     solo = InformationBook(m, workers=2, shards=2)

@@ -58,6 +58,10 @@ class Message:
     group: int
 
 
+# Answers of messages_of_params kept: a trainer asks about each layer or bucket (far fewer).
+_LOOKUPS_KEPT = 4096
+
+
 class InformationBook:
     """Partition and placement of a model over the parameter-server shards.
 
@@ -116,6 +120,10 @@ class InformationBook:
             self._by_param.setdefault(pair.param, []).append(pair)
         self.messages = self._messages()
         self._message_of_key = {k: m for m in self.messages for k in m.keys}
+        # Looked up for every layer of every step: the book never changes once built, so each
+        # answer is computed once (bounded by the layers and buckets the trainer asks about).
+        self._messages_of: dict = {}
+        self._slice_plan = {m.id: tuple((self.pairs[k].param, self.pairs[k].offset, self.pairs[k].offset + self.pairs[k].numel) for k in m.keys) for m in self.messages}
         self._digest = hashlib.sha256(self._canonical().encode()).hexdigest()
 
     # -- construction ---------------------------------------------------------------------------
@@ -301,12 +309,18 @@ class InformationBook:
 
     def messages_of_params(self, indices: Iterable[int]) -> tuple:
         """Messages that carry any key of the given parameters (a layer or a bucket)."""
-        wanted = set(indices)
-        return tuple(m for m in self.messages if any(self.pairs[k].param in wanted for k in m.keys))
+        indices = tuple(indices)
+        found = self._messages_of.get(indices)
+        if found is None:
+            wanted = set(indices)
+            found = tuple(m for m in self.messages if any(self.pairs[k].param in wanted for k in m.keys))
+            if len(self._messages_of) < _LOOKUPS_KEPT:
+                self._messages_of[indices] = found
+        return found
 
     def slices(self, message: Message, flat: Mapping) -> list:
         """Views of ``message``'s key-value pairs in ``flat`` (manifest index -> flattened array)."""
-        return [flat[p.param][p.offset : p.offset + p.numel] for p in (self.pairs[k] for k in message.keys)]
+        return [flat[param][start:stop] for param, start, stop in self._slice_plan[message.id]]
 
     def factored_layer(self, message_id: int) -> Optional[tuple]:
         """``(param indices, messages)`` of the factored layer whose first message is ``message_id``."""

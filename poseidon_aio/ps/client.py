@@ -283,7 +283,7 @@ class PSClient:
 
     def _checked(self, param: int, array: np.ndarray) -> np.ndarray:
         spec = self.book.manifest[param]
-        if tuple(array.shape) != spec.shape or str(array.dtype) != spec.dtype:
+        if array.shape != spec.shape or array.dtype.name != spec.dtype:
             raise LocalProtocolError(
                 f"rank {self.rank}: {spec.name} is {list(array.shape)} {array.dtype}, the manifest says "
                 f"{list(spec.shape)} {spec.dtype}"
