@@ -16,9 +16,12 @@ so the two CPU cores stay mostly idle; reported times are divided back, and rati
 on it.
 
 Schemes: ``wfbp`` (every layer its own message as soon as it is ready), ``single`` (SyncEASGD: all
-layers in one message after the backward), ``mgwfbp`` (MG-WFBP's Algorithm 1 on calibrated alpha,
-beta and measured per-layer backward times) and ``optimal`` (the exact planner). The last line is
-one JSON object with ``speedup_mgwfbp_vs_wfbp_8``.
+layers in one message after the backward), ``algorithm1`` (MG-WFBP's Algorithm 1 on calibrated
+alpha, beta and measured per-layer backward times, its plan kept untried, as in the paper),
+``optimal`` (the exact planner, untried) and ``mgwfbp``: the trainer's default, both plans and
+``single``'s tried for ``--trial`` steps each and the fastest kept (or one message per layer if
+none beat it); its untimed steps cover the trials. The last line is one JSON object with
+``speedup_mgwfbp_vs_wfbp_8`` (the default planner).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from bench import BENCH_TOKEN, free_port
 
 ALPHA = {2: 90.52e-6, 4: 271.56e-6, 8: 633.64e-6}
 ROWS = 32
-SCHEMES = ["wfbp", "single", "mgwfbp", "optimal"]
+SCHEMES = ["wfbp", "single", "algorithm1", "optimal", "mgwfbp"]
 
 
 def resnet50_layers() -> list:
@@ -88,25 +91,30 @@ def _worker(rank: int, world: int, port: int, scheme: str, args: dict, out) -> N
     # The paper's ``a`` is the start-up of one layer's synchronization: each push pays it, as link
     # time before its bytes (T = a + b p per message, messages one after another on the link).
     link = ShaperConfig(egress_rate=10e9 / 8 / dilation, message_cost=alpha, costed_kinds=frozenset({Kind.PUSH}))
-    mode, kind = ("wfbp", "none") if scheme == "wfbp" else ("mgwfbp", {"single": "single", "mgwfbp": "algorithm1", "optimal": "optimal"}[scheme])
-    # trial=0: the planner's plan is what this bench measures, not the runtime's verdict on it
-    merge = MergeConfig(kind=kind, after=args["measure"], calibration_sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), trial=0)
+    mode, kind = ("wfbp", "none") if scheme == "wfbp" else ("mgwfbp", {"single": "single", "algorithm1": "algorithm1", "optimal": "optimal", "mgwfbp": None}[scheme])
+    # algorithm1, optimal: the planner's plan is what is measured (trial=0); mgwfbp: the default,
+    # whose trials pick a plan, untimed (up to three plans, then the verdict's first step)
+    trial = args["trial"] if scheme == "mgwfbp" else 0
+    untimed = args["measure"] + (3 * trial + 1 if trial else 0)
+    merge = MergeConfig(kind=kind, after=args["measure"], calibration_sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), trial=trial)
     x = torch.zeros(ROWS, 1, requires_grad=True)
     loss_fn = lambda out, _: out.sum()  # noqa: E731
 
     async def main():
         times = []
         async with poseidon_aio.Trainer(model, opt, loss_fn, mode=mode, merge=merge, bandwidth=link, broadcast_buffers=False) as trainer:
-            for _ in range(args["measure"] + args["steps"]):
+            for _ in range(untimed + args["steps"]):
                 started = time.perf_counter()
                 await trainer.step((x, None))
                 times.append((time.perf_counter() - started) / dilation)
             groups = len(trainer.merge_groups)
             info = trainer.merge_info
-        return times[args["measure"]:], groups, info
+        return times[untimed:], groups, info
 
     times, groups, info = poseidon_aio.run(main())
-    out.put((rank, {"times": times, "groups": groups, "predicted": info.get("predicted_s"), "alpha": info.get("alpha_s")}))
+    trial = info.get("trial") or {}
+    kept = (trial["planner"] if trial["kept"] else "none") if trial else info.get("planner", "-")
+    out.put((rank, {"times": times, "groups": groups, "predicted": info.get("predicted_s"), "alpha": info.get("alpha_s"), "kept": kept}))
 
 
 def measure(world: int, scheme: str, args: dict) -> dict:
@@ -124,7 +132,7 @@ def measure(world: int, scheme: str, args: dict) -> dict:
     for p in procs:
         p.join(30)
     r0 = results[0]
-    return {"iter_s": statistics.median(r0["times"]), "groups": r0["groups"], "predicted": r0["predicted"], "alpha": r0["alpha"]}
+    return {"iter_s": statistics.median(r0["times"]), "groups": r0["groups"], "predicted": r0["predicted"], "alpha": r0["alpha"], "kept": r0["kept"]}
 
 
 def main(argv=None) -> dict:
@@ -135,10 +143,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--dilation", type=float, default=10.0)
     parser.add_argument("--measure", type=int, default=2, help="warm-up steps that measure before merging")
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
+    parser.add_argument("--trial", type=int, default=3, help="trial steps of each plan for the default planner (mgwfbp)")
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--sweep-tflops", default="8,32", help="more device rates, at the largest worker count")
     a = parser.parse_args(argv)
-    args = {"tflops": a.device_tflops, "dilation": a.dilation, "measure": a.measure, "steps": a.steps, "timeout": a.timeout}
+    args = {"tflops": a.device_tflops, "dilation": a.dilation, "measure": a.measure, "steps": a.steps, "timeout": a.timeout, "trial": a.trial}
     schemes = a.schemes.split(",")
     layers = resnet50_layers()
     total_flops = sum(f for *_, f in layers)
@@ -147,7 +156,7 @@ def main(argv=None) -> dict:
         res = {s: measure(world, s, args) for s in schemes}
         rows.append((world, res))
         if "wfbp" in res:
-            for s in ("mgwfbp", "optimal", "single"):
+            for s in ("mgwfbp", "algorithm1", "optimal", "single"):
                 if s in res:
                     summary[f"speedup_{s}_vs_wfbp_{world}"] = round(res["wfbp"]["iter_s"] / res[s]["iter_s"], 3)
             if "single" in res and "mgwfbp" in res:
@@ -155,37 +164,33 @@ def main(argv=None) -> dict:
     sweep = []
     biggest = max(int(w) for w in a.workers.split(","))
     for tflops in (float(x) for x in a.sweep_tflops.split(",") if x):
-        res = {s: measure(biggest, s, {**args, "tflops": tflops}) for s in ("wfbp", "single", "mgwfbp", "optimal") if s in schemes}
+        res = {s: measure(biggest, s, {**args, "tflops": tflops}) for s in schemes}
         sweep.append((tflops, res))
-        if "wfbp" in res and "mgwfbp" in res:
-            summary[f"speedup_mgwfbp_vs_wfbp_{biggest}_at_{tflops:g}tflops"] = round(res["wfbp"]["iter_s"] / res["mgwfbp"]["iter_s"], 3)
-        if "wfbp" in res and "optimal" in res:
-            summary[f"speedup_optimal_vs_wfbp_{biggest}_at_{tflops:g}tflops"] = round(res["wfbp"]["iter_s"] / res["optimal"]["iter_s"], 3)
+        for s in ("mgwfbp", "algorithm1", "optimal"):
+            if "wfbp" in res and s in res:
+                summary[f"speedup_{s}_vs_wfbp_{biggest}_at_{tflops:g}tflops"] = round(res["wfbp"]["iter_s"] / res[s]["iter_s"], 3)
     lines = [
         f"ResNet-50-shaped model ({len(layers)} layers, 25.6 M parameters), batch {ROWS} per worker, compute replayed at "
         f"{a.device_tflops} TFLOP/s ({total_flops * 3 / a.device_tflops / 1e12 * 1e3:.0f} ms forward+backward), "
         f"10 Gbit/s with the paper's start-up per message; iteration time, ms (rank 0's median, dilation {a.dilation} divided out)",
         "",
-        "| workers | alpha | " + " | ".join(schemes) + " | MG-WFBP vs WFBP | MG-WFBP vs single | messages per iteration (mgwfbp) |",
-        "|---|---|" + "---|" * (len(schemes) + 3),
+        "| workers | alpha | " + " | ".join(schemes) + " | MG-WFBP vs WFBP | MG-WFBP vs single | messages per iteration (mgwfbp) | plan kept (mgwfbp) |",
+        "|---|---|" + "---|" * (len(schemes) + 4),
     ]
     for world, res in rows:
         cells = " | ".join(f"{res[s]['iter_s'] * 1e3:.0f}" for s in schemes)
         sp = summary.get(f"speedup_mgwfbp_vs_wfbp_{world}", float("nan"))
         ss = summary.get(f"speedup_mgwfbp_vs_single_{world}", float("nan"))
-        groups = res.get("mgwfbp", {}).get("groups", "-")
-        lines.append(f"| {world} | {ALPHA.get(world, ALPHA[8]) * 1e6:.0f} us | {cells} | {sp:.2f} | {ss:.2f} | {groups} |")
+        groups, kept = res.get("mgwfbp", {}).get("groups", "-"), res.get("mgwfbp", {}).get("kept", "-")
+        lines.append(f"| {world} | {ALPHA.get(world, ALPHA[8]) * 1e6:.0f} us | {cells} | {sp:.2f} | {ss:.2f} | {groups} | {kept} |")
     if sweep:
         lines += ["", f"{biggest} workers at other device rates (faster devices leave less compute to hide communication behind):", "",
-                  "| TFLOP/s | forward+backward | " + " | ".join(s for s in ("wfbp", "single", "mgwfbp", "optimal") if s in schemes) + " | MG-WFBP vs WFBP | optimal vs WFBP |",
-                  "|---|---|" + "---|" * (len([s for s in ("wfbp", "single", "mgwfbp", "optimal") if s in schemes]) + 2)]
+                  "| TFLOP/s | forward+backward | " + " | ".join(schemes) + " | MG-WFBP vs WFBP | Alg. 1 vs WFBP | optimal vs WFBP | plan kept (mgwfbp) |",
+                  "|---|---|" + "---|" * (len(schemes) + 4)]
         for tflops, res in sweep:
-            cells = " | ".join(f"{res[s]['iter_s'] * 1e3:.0f}" for s in ("wfbp", "single", "mgwfbp", "optimal") if s in res)
-            lines.append(
-                f"| {tflops:g} | {total_flops * 3 / tflops / 1e12 * 1e3:.0f} ms | {cells} | "
-                f"{summary.get(f'speedup_mgwfbp_vs_wfbp_{biggest}_at_{tflops:g}tflops', float('nan')):.2f} | "
-                f"{summary.get(f'speedup_optimal_vs_wfbp_{biggest}_at_{tflops:g}tflops', float('nan')):.2f} |"
-            )
+            cells = " | ".join(f"{res[s]['iter_s'] * 1e3:.0f}" for s in schemes)
+            ratios = " | ".join(f"{summary.get(f'speedup_{s}_vs_wfbp_{biggest}_at_{tflops:g}tflops', float('nan')):.2f}" for s in ("mgwfbp", "algorithm1", "optimal"))
+            lines.append(f"| {tflops:g} | {total_flops * 3 / tflops / 1e12 * 1e3:.0f} ms | {cells} | {ratios} | {res.get('mgwfbp', {}).get('kept', '-')} |")
     print("\n".join(lines))
     out = {
         "bench": "mgwfbp",

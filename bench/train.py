@@ -174,11 +174,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=1, help="runs of every implementation per row, interleaved; the row is their median, its speedup the median of the repeats' ratios (min–max shown)")
-    parser.add_argument("--warmup", type=int, default=7, help="untimed steps (merging is planned after 3 and judged after 3 more)")
+    parser.add_argument("--warmup", type=int, default=13, help="untimed steps (merging is planned after 3, then up to 3 plans tried for 3 steps each)")
     parser.add_argument("--device-tflops", type=float, default=6.0, help="replayed device rate, TFLOP/s")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--allreduce", default="auto", choices=("auto", "ring", "direct"), help="PSConfig.allreduce for our runs")
-    parser.add_argument("--merge", default=None, choices=("none", "algorithm1", "optimal", "single"), help="MergeConfig.kind for our runs (default: the trainer's)")
+    parser.add_argument("--merge", default=None, choices=("none", "algorithm1", "optimal", "best", "single"), help="MergeConfig.kind for our runs (default: the trainer's)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
@@ -261,8 +261,9 @@ def main(argv=None) -> dict:
                 print(f"  the planner's: a message {plan.get('alpha_s', 0) * 1e3:.2f} ms on the link, {plan.get('serial_s', 0) * 1e3:.2f} ms of the backward; predicted ms: {predicted}")
                 if plan.get("trial"):
                     trial = plan["trial"]
-                    verdict = "kept" if trial["kept"] else "dropped for one message per layer"
-                    print(f"  its trial: {trial['planned_s'] * 1e3:.1f} ms a step against {trial['unmerged_s'] * 1e3:.1f} unmerged: {verdict}")
+                    verdict = f"{trial.get('planner', 'the plan')} kept" if trial["kept"] else "dropped for one message per layer"
+                    tried = ", ".join(f"{name} {ms * 1e3:.1f}" for name, ms in trial.get("tried", {}).items())
+                    print(f"  its trial: ms a step {tried or trial['planned_s'] * 1e3} against {trial['unmerged_s'] * 1e3:.1f} unmerged: {verdict}")
     speedups = [r["speedup"] for r in rows if "speedup" in r]
     bounds = [r["over_bound"] for r in rows if "over_bound" in r]
     out = {

@@ -174,10 +174,64 @@ def test_a_merge_plan_is_kept_only_if_the_slowest_ranks_step_got_faster():
     warm = {0: [9.0, 0.040, 0.050], 1: [9.0, 0.045, 0.041]}  # steps 0.045, 0.050: median 0.0475
     faster = {0: [5.0, 0.030, 0.046], 1: [5.0, 0.031, 0.032]}  # 0.031, 0.046: 0.0385
     slower = {0: [5.0, 0.030, 0.030], 1: [5.0, 0.060, 0.060]}  # rank 1 is the step: 0.060
-    assert judge_trial(warm, faster) == {"kept": True, "unmerged_s": pytest.approx(0.0475), "planned_s": pytest.approx(0.0385)}
+    verdict = judge_trial(warm, faster)
+    assert verdict == {"kept": True, "best": 0, "unmerged_s": pytest.approx(0.0475), "planned_s": pytest.approx(0.0385), "trials_s": [pytest.approx(0.0385)]}
     assert judge_trial(warm, slower)["kept"] is False
     assert judge_trial(warm, warm)["kept"] is False  # no gain, no merge: one message per layer stays
     assert judge_trial({0: [0.05]}, {0: [0.04]})["kept"] is True  # one step each: nothing to leave out
+    # Several plans on trial (``best``): the fastest is kept, the first of equals.
+    assert judge_trial(warm, slower, faster)["best"] == 1 and judge_trial(warm, slower, faster)["kept"] is True
+    assert judge_trial(warm, faster, faster)["best"] == 0
+    with pytest.raises(ValueError):
+        judge_trial(warm)
+
+
+@given(
+    st.lists(st.lists(st.floats(1e-3, 1.0), min_size=3, max_size=3), min_size=2, max_size=4),
+    st.lists(st.lists(st.lists(st.floats(1e-3, 1.0), min_size=3, max_size=3), min_size=2, max_size=4), min_size=1, max_size=3),
+)
+@settings(max_examples=200, deadline=None)
+def test_every_rank_reaches_the_same_verdict_and_it_is_the_fastest_plan_if_any_beat_the_warm_up(warm_rows, trial_rows):
+    from poseidon_aio.sync.runtime import judge_trial
+
+    ranks = min(len(warm_rows), *(len(t) for t in trial_rows))
+    warm = {r: warm_rows[r] for r in range(ranks)}
+    trials = [{r: t[r] for r in range(ranks)} for t in trial_rows]
+    verdict = judge_trial(warm, *trials)
+    # The same figures arriving in another rank order (the exchange's dict) give the same verdict.
+    assert judge_trial(dict(reversed(list(warm.items()))), *(dict(reversed(list(t.items()))) for t in trials)) == verdict
+
+    def job(times):  # each step at its slowest rank, the phase's first left out
+        steps = [max(times[r][i] for r in times) for i in range(1, 3)]
+        return sum(steps) / 2
+
+    medians = [job(t) for t in trials]
+    assert verdict["planned_s"] == pytest.approx(min(medians)) and medians.index(min(medians)) == verdict["best"]
+    assert verdict["kept"] == (min(medians) < job(warm))
+
+
+def test_best_plans_with_both_planners_and_one_message_and_lists_each_distinct_plan_once():
+    from poseidon_aio.sync.runtime import MergeConfig, MergeRuntime
+
+    calibration = [(s, 2 * (1e-4 + 1e-8 * s)) for s in (4096, 65536, 1 << 20)]
+    layers = list(range(12))
+
+    def plans(kind, sizes, serial):
+        runtime = MergeRuntime(MergeConfig(kind=kind), rank=0, world=4, shards=4, scheme=Scheme.ALLREDUCE, calibration=calibration)
+        for _ in range(3):
+            ready = {layer: 0.1 + 0.004 * (12 - layer) for layer in layers}
+            runtime.record(0.05, 0.1, ready, layers, [], 0, 1e-3, serial)
+        return runtime.plan(layers, [f"l{i}" for i in layers], sizes)
+
+    for sizes in ([3e4] * 12, [1e3, 4e5, 2e3, 8e5, 1e3, 3e4, 5e5, 1e3, 2e4, 9e5, 1e3, 1e4]):
+        for serial in (0.0, 2e-3):
+            best = plans("best", sizes, serial)
+            greedy, exact = (plans(k, sizes, serial)["groups"] for k in ("algorithm1", "optimal"))
+            single = [[f"l{i}" for i in layers]]
+            want = [("algorithm1", greedy), ("optimal", exact), ("single", single)]
+            want = [(name, g) for i, (name, g) in enumerate(want) if all(g != other for _, other in want[:i])]
+            assert best["groups"] == greedy and best["planner"] == "algorithm1"
+            assert [(c["planner"], c["groups"]) for c in best["candidates"]] == want
 
 
 def test_merge_config_rejects_a_negative_trial():

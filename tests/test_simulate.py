@@ -276,6 +276,23 @@ def test_merge_groups_are_the_trainers_planners_and_pay_off_at_64_workers():
     assert alg1.plans["ps"]["planner"] == "algorithm1" and exact.plans["ps"]["planner"] == "optimal"
     assert [n for g in alg1.groups["ps"] for n in g] == [layer.name for layer in trace("resnet50")]
     assert wfbp.time / alg1.time >= 1.2 and wfbp.time / exact.time >= 1.2
+    # The trainer's default (``best``): what its trials keep, the fastest of the three.
+    default = sim.run()
+    assert default.time == min(wfbp.time, alg1.time, exact.time, single.time)
+    assert default.groups in (wfbp.groups, alg1.groups, exact.groups, single.groups)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    st.sampled_from(["resnet50", "inception_v3", "vgg19"]),
+    st.sampled_from([2, 8, 32]),
+    st.sampled_from([10e-6, 300e-6, 1e-3]),
+    st.sampled_from([2e12, 20e12]),
+)
+def test_the_default_planner_is_never_slower_than_either_planner_one_message_or_no_merging(model, workers, alpha, rate):
+    sim = Simulator(trace(model), workers, rate=rate, link=Link.of_bandwidth(10e9 / 8, alpha), mode="poseidon")
+    default = sim.run().time
+    assert all(default <= sim.run(k).time for k in ("none", "algorithm1", "optimal", "single"))
 
 
 def test_bad_settings_are_config_errors():

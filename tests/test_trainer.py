@@ -133,10 +133,12 @@ def test_merged_and_unmerged_syncs_give_bitwise_equal_results_and_one_plan_every
         ("alg1", "mgwfbp", None, "algorithm1"),
         ("optimal", "mgwfbp", None, "optimal"),
         ("trial", "mgwfbp", None, "optimal", {"merge_trial": 2}),
+        ("best", "mgwfbp", None, "best", {"merge_trial": 1}),
+        ("two", "mgwfbp", None, "best", {"merge_trial": 1, "two_plans": True}),  # last: it patches the planner
     ]
     res = run_workers(3, train_worker, spec, 2, runs, 4, 4, {}, timeout=180)
     base = res[0]["wfbp"]["params"]
-    for label in ("single", "alg1", "optimal", "trial"):
+    for label in ("single", "alg1", "optimal", "trial", "best", "two"):
         for r in range(3):
             assert all(a.tobytes() == b.tobytes() for a, b in zip(base, res[r][label]["params"])), f"{label} on rank {r}"
     assert len(res[0]["single"]["groups"]) == 1
@@ -149,7 +151,7 @@ def test_merged_and_unmerged_syncs_give_bitwise_equal_results_and_one_plan_every
     # The same plan on trial (warm-up step 0, trial steps 1-2, the verdict's groups at step 3):
     # whichever way the machine's load judged it, every rank took the same verdict and groups.
     verdicts = [res[r]["trial"]["info"]["trial"] for r in range(3)]
-    assert all(v == verdicts[0] for v in verdicts) and set(verdicts[0]) == {"kept", "unmerged_s", "planned_s"}
+    assert all(v == verdicts[0] for v in verdicts) and {"kept", "unmerged_s", "planned_s", "planner"} <= set(verdicts[0])
     assert len({json_groups(res[r]["trial"]["groups"]) for r in range(3)}) == 1
     trial = res[0]["trial"]
     if verdicts[0]["kept"]:
@@ -157,6 +159,27 @@ def test_merged_and_unmerged_syncs_give_bitwise_equal_results_and_one_plan_every
     else:
         assert trial["groups"] == [[name] for group in trial["info"]["rejected_groups"] for name in group]
         assert len(trial["info"]["rejected_groups"]) < 5
+    # ``best`` (warm-up step 0, each distinct plan one trial step, the verdict's groups at step 3):
+    # every rank kept the same one of the planners' plans, or none, and it is what runs.
+    verdicts = [res[r]["best"]["info"]["trial"] for r in range(3)]
+    assert all(v == verdicts[0] for v in verdicts) and len({json_groups(res[r]["best"]["groups"]) for r in range(3)}) == 1
+    best = res[0]["best"]
+    candidates = [c["groups"] for c in best["info"]["candidates"]]
+    assert list(verdicts[0]["tried"]) == [c["planner"] for c in best["info"]["candidates"] if any(len(g) > 1 for g in c["groups"])]
+    if verdicts[0]["kept"]:
+        assert best["groups"] in candidates and best["info"]["planner"] == verdicts[0]["planner"]
+    else:
+        assert best["groups"] == [[name] for group in candidates[0] for name in group]
+    # Two plans that differ (warm-up step 0, one plan at step 1, the other at step 2, the verdict's
+    # at step 3): both tried, in order, and every rank runs the same one.
+    two = res[0]["two"]
+    verdicts = [res[r]["two"]["info"]["trial"] for r in range(3)]
+    assert all(v == verdicts[0] for v in verdicts) and list(verdicts[0]["tried"]) == ["algorithm1", "optimal"]
+    assert len({json_groups(res[r]["two"]["groups"]) for r in range(3)}) == 1
+    if verdicts[0]["kept"]:
+        assert two["groups"] == two["info"]["candidates"][verdicts[0]["best"]]["groups"] == two["info"]["groups"]
+    else:
+        assert all(len(g) == 1 for g in two["groups"])
 
 
 def json_groups(groups) -> str:

@@ -51,6 +51,28 @@ def single_process(spec: dict, seed: int, workers: int, steps: int, size: int) -
     return [p.detach().numpy().copy() for p in model.parameters()]
 
 
+def _two_plans() -> None:
+    """Make the planners disagree, whatever this machine measured: Algorithm 1's plan one message
+    of every layer, the exact one's the layers in pairs (what the trainer does with two plans is
+    under test, not the planners)."""
+    from poseidon_aio.sync import runtime
+
+    plan = runtime.MergeRuntime.plan
+    if getattr(plan, "two_plans", False):
+        return
+
+    def two(self, layers, names, sizes):
+        info = plan(self, layers, names, sizes)
+        names = list(names)
+        one, pairs = [names], [names[i:i + 2] for i in range(0, len(names), 2)]
+        info["candidates"] = [{"planner": "algorithm1", "groups": one, "predicted_s": 0.0}, {"planner": "optimal", "groups": pairs, "predicted_s": 0.0}]
+        info["groups"], info["planner"] = one, "algorithm1"
+        return info
+
+    two.two_plans = True
+    runtime.MergeRuntime.plan = two
+
+
 def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size: int, ps_kwargs: dict):
     """Train once per ``(label, mode, overrides)`` in ``runs`` over one store; return parameters and stats."""
     import poseidon_aio
@@ -82,6 +104,8 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
             # A plan is kept untried unless a run asks for its trial: which way a trial goes is the
             # machine's load, and these tests check what a plan does.
             merging = MergeConfig(kind=merge, after=1, calibration_sizes=(4096, 65536), trial=extra.pop("merge_trial", 0))
+            if extra.pop("two_plans", False):
+                _two_plans()
             trainer = poseidon_aio.Trainer(
                 model, opt, nn.functional.cross_entropy, mode=mode, schemes=overrides,
                 ps=ps, rendezvous=rdzv.job(label), merge=merging, **extra,

@@ -254,6 +254,11 @@ def _optimal_groups_serial(ready: list, prefix: list, model: CommModel) -> tuple
     return tuple(groups)
 
 
+def single_plan(t_f: float, t_b: Sequence[float], sizes: Sequence[float], model: CommModel) -> MergePlan:
+    """One message of every layer after the backward (SyncEASGD), as a plan beside the planners'."""
+    return _plan_of(t_f, t_b, sizes, model, (tuple(range(1, len(t_b) + 1)),))
+
+
 def _plan_of(t_f: float, t_b: Sequence[float], sizes: Sequence[float], model: CommModel, groups: tuple) -> MergePlan:
     L = len(t_b)
     merged = tuple(sorted(l for g in groups for l in g[1:]))

@@ -4,10 +4,11 @@ At start-up the ranks time push/reply round trips of several sizes around a ring
 ``T(p) = a + b p`` (:func:`calibrate`; HybComm's link, :func:`link_of`, comes from the same fit).
 For ``MergeConfig.after`` steps the trainer reports, per mergeable scheme (PS, all-reduce), each
 step's forward time, when each of its layers' gradient was ready, and the intervals its syncs
-ran; then rank 0 refits the per-byte cost from those syncs, plans (``mgwfbp.merge_plan`` or
-``mgwfbp.optimal_plan``), publishes the plan, and every rank checks its hash before adopting it.
-The plan then runs for ``MergeConfig.trial`` steps and is kept only if the job's step got faster
-than in the warm-up (:func:`judge_trial`); otherwise every layer goes back to its own message.
+ran; then rank 0 refits the per-byte cost from those syncs, plans (``mgwfbp.merge_plan``,
+``mgwfbp.optimal_plan`` or, for ``best``, both and ``mgwfbp.single_plan``), publishes the plans,
+and every rank checks their hash before adopting them. Each plan that merges then runs for ``MergeConfig.trial`` steps, one
+after the other, and the fastest is kept only if the job's step got faster than in the warm-up
+(:func:`judge_trial`); otherwise every layer goes back to its own message.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 from ..errors import ConfigError, SyncTimeout
 from ..wire import Kind
 from .cost import Link, Scheme
-from .mgwfbp import CommModel, fit, merge_plan, optimal_plan
+from .mgwfbp import CommModel, fit, merge_plan, optimal_plan, single_plan
 
 CALIBRATION_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 # Mesh frames of the calibration: keys no layer reaches, clocks far past any training clock.
@@ -37,6 +38,12 @@ class MergeKind(str, enum.Enum):
     NONE = "none"  # every layer its own message
     ALGORITHM1 = "algorithm1"  # MG-WFBP's greedy Algorithm 1
     OPTIMAL = "optimal"  # the exact O(L^2) dynamic program over the same timeline
+    # Both planners' plans and one message after the backward, each tried on the job, the fastest
+    # kept (Algorithm 1's on a tie and without a trial). The exact plan is exact on the planners'
+    # model only: simulated, it lost to Algorithm 1's in 330 of 2 000 cases and won in 354, and a
+    # ring all-reduce's 2 (P - 1) start-ups a message, which the model charges as two, make one
+    # message beat both plans from 128 workers on (bench/RESULTS.md); the job's step times decide.
+    BEST = "best"
     SINGLE = "single"  # every PS layer in one message after the backward (SyncEASGD)
 
 
@@ -45,13 +52,15 @@ class MergeConfig:
     """MG-WFBP merging.
 
     Args:
-        kind: the planner; ``None`` picks ``algorithm1`` in modes ``mgwfbp`` and ``poseidon``,
-            ``none`` otherwise.
+        kind: the planner; ``None`` picks ``best`` in modes ``mgwfbp`` and ``poseidon``,
+            ``none`` otherwise. ``algorithm1`` is the paper's (MG-WFBP), ``optimal`` the exact
+            planner, ``best`` tries both and one message after the backward, and keeps the fastest.
         after: measured steps before the plan is made.
         calibration_sizes: message sizes (bytes) timed at start-up to fit alpha and beta.
         trial: steps a plan that merges runs before it is judged against the warm-up's steps
-            (one message per layer); it is kept only if the job's step got faster. 0 keeps every
-            plan untried (the paper's runtime).
+            (one message per layer); it is kept only if the job's step got faster. With ``best``
+            each planner's plan has its trial, one after the other. 0 keeps every plan untried
+            (the paper's runtime; ``best`` then keeps Algorithm 1's).
     """
 
     kind: Optional[MergeKind] = None
@@ -70,13 +79,13 @@ class MergeConfig:
         if self.trial < 0:
             raise ConfigError("MergeConfig.trial must be >= 0 steps (0: keep the plan untried)")
         self.calibration_sizes = tuple(int(s) for s in self.calibration_sizes)
-        if self.kind in (MergeKind.ALGORITHM1, MergeKind.OPTIMAL) and len(self.calibration_sizes) < 2:
+        if self.planned and len(self.calibration_sizes) < 2:
             raise ConfigError("MergeConfig.calibration_sizes needs two sizes or more to fit alpha and beta")
 
     @property
     def planned(self) -> bool:
         """Whether a plan is made from measurements (Algorithm 1 or the exact planner)."""
-        return self.kind in (MergeKind.ALGORITHM1, MergeKind.OPTIMAL)
+        return self.kind in (MergeKind.ALGORITHM1, MergeKind.OPTIMAL, MergeKind.BEST)
 
 
 @dataclass
@@ -141,10 +150,10 @@ def link_of(calibration: Sequence[tuple], flop: float = 0.0) -> Link:
     return Link(alpha=round_trip.a / 2, beta=max(round_trip.b / 2, 1e-12), flop=flop)
 
 
-def judge_trial(warm: Mapping[int, Sequence[float]], trial: Mapping[int, Sequence[float]]) -> dict:
-    """Whether to keep a merge plan, from every rank's step times (seconds) in the warm-up (one
-    message per layer) and in the plan's trial: the same answer on every rank given the same
-    figures.
+def judge_trial(warm: Mapping[int, Sequence[float]], *trials: Mapping[int, Sequence[float]]) -> dict:
+    """Which merge plan to keep, if any, from every rank's step times (seconds) in the warm-up
+    (one message per layer) and in each plan's trial: the same answer on every rank given the
+    same figures.
 
     The planner's timeline is a model: on a host whose cores the workers share, what a merged
     message costs the backward it waits on is not in it (a 2-worker transformer's plan predicted
@@ -152,8 +161,10 @@ def judge_trial(warm: Mapping[int, Sequence[float]], trial: Mapping[int, Sequenc
 
     A step ends for the job when its slowest rank's does, so each step counts at its slowest
     rank; each phase's first step is left out where it has others (the warm-up's first starts
-    the parameter server and faults buffers in, the trial's first starts the plan's).
-    Returns ``{"kept", "unmerged_s", "planned_s"}``, the medians compared.
+    the parameter server and faults buffers in, a trial's first starts the plan's). The fastest
+    trial (the first of equals) is kept if it beat the warm-up.
+    Returns ``{"kept", "best", "unmerged_s", "planned_s", "trials_s"}``: whether a plan is kept,
+    the index of the fastest trial, the medians compared, and every trial's median.
     """
 
     def job_median(times: Mapping[int, Sequence[float]]) -> float:
@@ -161,8 +172,12 @@ def judge_trial(warm: Mapping[int, Sequence[float]], trial: Mapping[int, Sequenc
         steps = steps[1:] if len(steps) > 1 else steps
         return float(statistics.median(steps)) if steps else float("inf")
 
-    unmerged, planned = job_median(warm), job_median(trial)
-    return {"kept": planned < unmerged, "unmerged_s": unmerged, "planned_s": planned}
+    if not trials:
+        raise ValueError("judge_trial needs one trial or more")
+    unmerged = job_median(warm)
+    medians = [job_median(trial) for trial in trials]
+    best = min(range(len(medians)), key=lambda i: (medians[i], i))
+    return {"kept": medians[best] < unmerged, "best": best, "unmerged_s": unmerged, "planned_s": medians[best], "trials_s": medians}
 
 
 class MergeRuntime:
@@ -260,7 +275,10 @@ class MergeRuntime:
     # -- the plan ---------------------------------------------------------------------------
 
     def plan(self, layers: Sequence[int], names: Sequence[str], sizes: Sequence[int]) -> dict:
-        """Rank 0's plan from its measurements: ``{"groups": [[name, ...], ...], ...}``."""
+        """Rank 0's plan from its measurements: ``{"groups": [[name, ...], ...], ...}``, with
+        ``"candidates"``: each planner's distinct plan (``{"planner", "groups", "predicted_s"}``),
+        the first being ``"groups"``'s (Algorithm 1's where it is one of them); ``best`` adds one
+        message of every layer (``"single"``)."""
         median = lambda xs: float(statistics.median(xs)) if xs else 0.0  # noqa: E731
         model = self.comm_model()
         t_b = [median(self._samples.backward.get(layer, [])) for layer in layers]
@@ -268,12 +286,21 @@ class MergeRuntime:
         # backward: what those took from it is in the measured time, and the plan puts back what
         # its own messages take (mgwfbp.with_launches).
         t_b = [max(0.0, t - model.serial) for t in t_b[:-1]] + t_b[-1:]
-        planner = optimal_plan if self.config.kind is MergeKind.OPTIMAL else merge_plan
-        plan = planner(median(self._samples.forward), t_b, sizes, model)
+        planners = {MergeKind.ALGORITHM1: [("algorithm1", merge_plan)], MergeKind.OPTIMAL: [("optimal", optimal_plan)]}.get(
+            self.config.kind, [("algorithm1", merge_plan), ("optimal", optimal_plan), ("single", single_plan)]
+        )
+        candidates, predicted = [], {}
+        for name, planner in planners:
+            plan = planner(median(self._samples.forward), t_b, sizes, model)
+            groups = [[names[i - 1] for i in group] for group in plan.groups]
+            if all(c["groups"] != groups for c in candidates):  # the planners often agree: one trial
+                candidates.append({"planner": name, "groups": groups, "predicted_s": plan.t_iter})
+            predicted = {"wfbp": plan.t_iter_wfbp, "single": plan.t_iter_single}  # the same for every planner
+        lead = candidates[0]
         return {
-            "groups": [[names[i - 1] for i in group] for group in plan.groups],
-            "alpha_s": model.a, "beta_s_per_byte": model.b, "serial_s": model.serial, "planner": self.config.kind.value,
-            "predicted_s": {"plan": plan.t_iter, "wfbp": plan.t_iter_wfbp, "single": plan.t_iter_single},
+            "groups": lead["groups"], "alpha_s": model.a, "beta_s_per_byte": model.b, "serial_s": model.serial,
+            "planner": lead["planner"], "predicted_s": {"plan": lead["predicted_s"], **predicted},
+            "candidates": candidates,
         }
 
     async def agree(self, rdzv, generation: int, layers: Sequence[int], names: Sequence[str], sizes: Sequence[int]) -> dict:

@@ -210,7 +210,7 @@ class Trainer:
             )
         if merge.kind is None:
             merging = mode in (Mode.MGWFBP, Mode.POSEIDON) and ps.server_sgd is None
-            merge = replace(merge, kind=MergeKind.ALGORITHM1 if merging else MergeKind.NONE)
+            merge = replace(merge, kind=MergeKind.BEST if merging else MergeKind.NONE)
         if merge.kind is not MergeKind.NONE and mode in (Mode.NAIVE, Mode.WFBP):
             raise ConfigError(f"mode {mode.value!r} sends every layer on its own; merging is mode 'mgwfbp' or 'poseidon'")
         self.model = model
@@ -254,8 +254,10 @@ class Trainer:
         self._job: Optional[Job] = None
         self._node: Optional[PSNode] = None
         self._runtimes: dict = {}  # mergeable Scheme -> MergeRuntime, while measuring
-        self._step_times: list = []  # this rank's step seconds, warm-up then the plan's trial
-        self._trial_from: Optional[int] = None  # the clock of the merge plan's first trial step
+        self._step_times: list = []  # this rank's step seconds in the warm-up (one message per layer)
+        self._trials: list = []  # the merge plans on trial: [(planner, {Scheme: groups}, [step seconds])]
+        self._trial_at = 0  # the one running now
+        self._trial_from: Optional[int] = None  # the clock of its first step
         self._calibration: list = []
         self._loop_cpu_per_byte = 0.0  # the event loop's CPU per byte in or out, measured at start
         self._kernel_flop = 0.0  # seconds per FLOP of the sufficient-factor kernel, measured at start
@@ -491,14 +493,16 @@ class Trainer:
         for scheme, n in state.bytes.items():
             self.bytes_total[scheme] = self.bytes_total.get(scheme, 0) + n
         self.clock += 1
-        if measuring or self._trial_from is not None:
+        if measuring:
             self._step_times.append(done - state.started)
+        elif self._trial_from is not None:
+            self._trials[self._trial_at][2].append(done - state.started)
         if measuring:
             self._measure(state, time.thread_time() - loop_cpu, _runqueue_wait() - loop_waited)
             if any(r.due(t) for r in self._runtimes.values()):
                 await self._replan()  # the new syncers (and parameter server) start at the next clock
         elif self._trial_from is not None and t == self._trial_from + self.merge.trial - 1:
-            await self._judge()
+            await self._next_trial()
         self.tracer.step(t, state.started, state.compute_end, state.spans, done, state.work)
         return StepStats(
             clock=t,
@@ -845,8 +849,8 @@ class Trainer:
             runtime.record(state.forward_end - state.started, state.forward_end, state.ready_at, layers, spans, nbytes, per_message, serial)
 
     async def _replan(self) -> None:
-        """Adopt the merge plans every rank agreed on: the syncers (and the parameter server)
-        restart with them."""
+        """Adopt the merge plans every rank agreed on (with trials: the first plan to try): the
+        syncers (and the parameter server) restart with them."""
         groups, infos = {}, {}
         for scheme in self._mergeable():
             layers = self._layers_of(scheme)
@@ -863,37 +867,71 @@ class Trainer:
             groups[scheme] = [sorted(by_name[n] for n in group) for group in info["groups"]]
             infos[scheme.value] = info
         self._runtimes = {}
-        await self._rebuild(groups)
+        trials = self._trial_plans(groups, infos) if self.merge.trial else []
+        await self._rebuild(trials[0][1] if trials else groups)
         self._set_merge_info(infos)
-        log.info("rank %d: merge plans %s", self.rank, {k: v["groups"] for k, v in infos.items()})
-        merges = any(len(g) > 1 for scheme in infos for g in groups[Scheme(scheme)])
-        if merges and self.merge.trial:
-            self._trial_from = self.clock  # the warm-up's step times stay in _step_times
-        else:
+        log.info("rank %d: merge plans %s", self.rank, {k: [c["groups"] for c in v["candidates"]] for k, v in infos.items()})
+        self._trials, self._trial_at, self._trial_from = trials, 0, (self.clock if trials else None)
+        if not trials:
             self._step_times = []
 
+    def _trial_plans(self, groups: dict, infos: dict) -> list:
+        """The plans to try, ``[(planner, {Scheme: groups}, [])]``: one per planner (``best``:
+        Algorithm 1's, then the exact one's where it differs), a scheme with fewer candidates
+        keeping its first; only plans that merge."""
+        planners = dict.fromkeys(c["planner"] for info in infos.values() for c in info["candidates"])
+        trials = []
+        for planner in planners:
+            plan = dict(groups)
+            for name, info in infos.items():
+                chosen = next((c for c in info["candidates"] if c["planner"] == planner), info["candidates"][0])
+                by_name = {layer.name: layer.index for layer in self._layers_of(Scheme(name))}
+                plan[Scheme(name)] = [sorted(by_name[n] for n in group) for group in chosen["groups"]]
+            if any(len(g) > 1 for gs in plan.values() for g in gs) and all(plan != other for _, other, _ in trials):
+                trials.append((planner, plan, []))
+        return trials
+
+    async def _next_trial(self) -> None:
+        """End the running plan's trial: on to the next plan's, or after the last, the verdict."""
+        if self._trial_at + 1 < len(self._trials):
+            self._trial_at += 1
+            await self._rebuild(self._trials[self._trial_at][1])
+            self._trial_from = self.clock
+        else:
+            await self._judge()
+
     async def _judge(self) -> None:
-        """End the merge plan's trial: every rank's step times go round, each rank reaches the
-        same verdict (:func:`judge_trial`), and a plan that did not make the step faster than
-        the warm-up's one message per layer gives way to it."""
-        warm = self.merge.after
-        mine = json.dumps({"warm": self._step_times[:warm], "trial": self._step_times[warm:]})
+        """End the merge plans' trials: every rank's step times go round, each rank reaches the
+        same verdict (:func:`judge_trial`): the fastest plan if it made the step faster than the
+        warm-up's one message per layer, otherwise one message per layer."""
+        trials, self._trials, self._trial_from = self._trials, [], None
+        mine = json.dumps({"warm": self._step_times, "trials": [times for _, _, times in trials]})
+        self._step_times = []
         seen = await self._job.rendezvous.exchange(f"merge-trial/{self._generation}", mine, range(self.world))
         figures = {r: json.loads(text) for r, text in seen.items()}
-        verdict = judge_trial({r: f["warm"] for r, f in figures.items()}, {r: f["trial"] for r, f in figures.items()})
-        self._trial_from, self._step_times = None, []
-        self.merge_info["trial"] = verdict
+        verdict = judge_trial(
+            {r: f["warm"] for r, f in figures.items()},
+            *({r: f["trials"][i] for r, f in figures.items()} for i in range(len(trials))),
+        )
+        planner, plan, _ = trials[verdict["best"]]
+        verdict["planner"] = planner
+        verdict["tried"] = {name: ms for (name, _, _), ms in zip(trials, verdict["trials_s"])}
+        infos = self.merge_info.get("schemes", {})
+        for name, info in infos.items():
+            info["groups"], info["planner"] = [[self.layers[i].name for i in g] for g in plan[Scheme(name)]], planner
         if verdict["kept"]:
-            log.info("rank %d: merge plan kept (%.1f ms a step against %.1f unmerged)", self.rank, verdict["planned_s"] * 1e3, verdict["unmerged_s"] * 1e3)
+            if verdict["best"] != len(trials) - 1:  # the fastest is not the one running now
+                await self._rebuild(plan)
+            self._set_merge_info(infos, trial=verdict)
+            log.info("rank %d: merge plan (%s) kept: %.1f ms a step against %.1f unmerged", self.rank, planner, verdict["planned_s"] * 1e3, verdict["unmerged_s"] * 1e3)
             return
         await self._rebuild({scheme: [[layer.index] for layer in self._layers_of(scheme)] for scheme in self._mergeable()})
-        infos = self.merge_info.get("schemes", {})
         for name, info in infos.items():
             info["rejected_groups"], info["groups"] = info["groups"], [[layer.name] for layer in self._layers_of(Scheme(name))]
         self._set_merge_info(infos, trial=verdict)
         log.warning(
-            "rank %d: the merge plan ran %.1f ms a step against %.1f with one message per layer; back to one per layer",
-            self.rank, verdict["planned_s"] * 1e3, verdict["unmerged_s"] * 1e3,
+            "rank %d: the fastest merge plan (%s) ran %.1f ms a step against %.1f with one message per layer; back to one per layer",
+            self.rank, planner, verdict["planned_s"] * 1e3, verdict["unmerged_s"] * 1e3,
         )
 
     def _set_merge_info(self, infos: dict, **extra) -> None:
