@@ -14,7 +14,9 @@ What is scaled, and why the figures still are the paper's:
   24 GiB machine): a conv layer's parameters become ``numel / s`` floats; a fully-connected layer
   M x N and its rows K become M/√s x N/√s and K/√s, so its matrix (MN) and its sufficient
   factors (K(M + N)) both shrink by s and HybComm's comparison is unchanged. The link rate is
-  divided by s too: every transfer takes the time it takes at full size.
+  divided by s too: every transfer takes the time it takes at full size. DDP's bucket sizes
+  (1 MiB first, then 25 MiB) are divided by s too, so a bucket holds the layers it would hold
+  at full size and overlaps the backward as much.
 * **Time**, by ``--dilation`` d (2 cores must move 16 processes' bytes): replayed compute runs d
   times slower and the link d times slower still; reported times are divided by d.
 * **Compute** is replayed at ``--device-tflops`` (default 4.2: a Titan X running VGG19 at the
@@ -133,6 +135,13 @@ def worker(cfg: dict) -> None:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
+        # DDP's buckets (1 MiB first, then 25 MiB) are sized for full-size models: at bytes / scale
+        # each would hold scale x more of the model and overlap less with the backward than at
+        # full size, so they shrink by the same factor (the simulator's DDP has them at full size).
+        import torch.nn.parallel.distributed as ddp_defaults
+
+        dist._DEFAULT_FIRST_BUCKET_BYTES = int(dist._DEFAULT_FIRST_BUCKET_BYTES / cfg["scale"])
+        ddp_defaults._DEFAULT_BUCKET_CAP_MB = ddp_defaults._DEFAULT_BUCKET_CAP_MB / cfg["scale"]
         dist.init_process_group("gloo", rank=cfg["rank"], world_size=cfg["world"])
         ddp = DistributedDataParallel(model) if cfg["world"] > 1 else model
         for _ in range(total):
