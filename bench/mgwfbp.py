@@ -112,8 +112,8 @@ def _worker(rank: int, world: int, port: int, scheme: str, args: dict, out) -> N
         return times[untimed:], groups, info
 
     times, groups, info = poseidon_aio.run(main())
-    trial = info.get("trial") or {}
-    kept = (trial["planner"] if trial["kept"] else "none") if trial else info.get("planner", "-")
+    verdict = info.get("trial") or {}
+    kept = (verdict["planner"] if verdict["kept"] else "none") if verdict else info.get("planner", "-")
     out.put((rank, {"times": times, "groups": groups, "predicted": info.get("predicted_s"), "alpha": info.get("alpha_s"), "kept": kept}))
 
 

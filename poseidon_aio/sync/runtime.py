@@ -6,9 +6,10 @@ For ``MergeConfig.after`` steps the trainer reports, per mergeable scheme (PS, a
 step's forward time, when each of its layers' gradient was ready, and the intervals its syncs
 ran; then rank 0 refits the per-byte cost from those syncs, plans (``mgwfbp.merge_plan``,
 ``mgwfbp.optimal_plan`` or, for ``best``, both and ``mgwfbp.single_plan``), publishes the plans,
-and every rank checks their hash before adopting them. Each plan that merges then runs for ``MergeConfig.trial`` steps, one
-after the other, and the fastest is kept only if the job's step got faster than in the warm-up
-(:func:`judge_trial`); otherwise every layer goes back to its own message.
+and every rank checks their hash before adopting them. Each plan that merges then runs for
+``MergeConfig.trial`` steps, one after the other, and the fastest is kept only if the job's step
+got faster than in the warm-up (:func:`judge_trial`); otherwise every layer goes back to its own
+message.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class MergeConfig:
         calibration_sizes: message sizes (bytes) timed at start-up to fit alpha and beta.
         trial: steps a plan that merges runs before it is judged against the warm-up's steps
             (one message per layer); it is kept only if the job's step got faster. With ``best``
-            each planner's plan has its trial, one after the other. 0 keeps every plan untried
+            each distinct plan has its trial, one after the other. 0 keeps every plan untried
             (the paper's runtime; ``best`` then keeps Algorithm 1's).
     """
 
@@ -289,14 +290,14 @@ class MergeRuntime:
         planners = {MergeKind.ALGORITHM1: [("algorithm1", merge_plan)], MergeKind.OPTIMAL: [("optimal", optimal_plan)]}.get(
             self.config.kind, [("algorithm1", merge_plan), ("optimal", optimal_plan), ("single", single_plan)]
         )
-        candidates, predicted = [], {}
+        candidates = []
         for name, planner in planners:
             plan = planner(median(self._samples.forward), t_b, sizes, model)
             groups = [[names[i - 1] for i in group] for group in plan.groups]
             if all(c["groups"] != groups for c in candidates):  # the planners often agree: one trial
                 candidates.append({"planner": name, "groups": groups, "predicted_s": plan.t_iter})
-            predicted = {"wfbp": plan.t_iter_wfbp, "single": plan.t_iter_single}  # the same for every planner
         lead = candidates[0]
+        predicted = {"wfbp": plan.t_iter_wfbp, "single": plan.t_iter_single}  # the same for every plan
         return {
             "groups": lead["groups"], "alpha_s": model.a, "beta_s_per_byte": model.b, "serial_s": model.serial,
             "planner": lead["planner"], "predicted_s": {"plan": lead["predicted_s"], **predicted},

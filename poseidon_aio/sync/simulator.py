@@ -553,6 +553,7 @@ class Simulator:
         self.mergeable = [s for s in Scheme if s in used and syncer_class(s).mergeable] if mode != DDP else []
         self._unmerged = None
         self._runs: dict = {}
+        self._iterations: dict = {}  # MergeKind -> Iteration: a kind is planned and simulated once
 
     def run(self, merge: Optional[str] = None) -> Iteration:
         """One iteration under the trainer's ``MergeConfig.kind`` ``merge`` (``None``: ``best`` in
@@ -564,6 +565,11 @@ class Simulator:
             ConfigError: an unknown kind, or merging in a mode that does not merge.
         """
         kind = _merge_kind(self.mode, merge)
+        if kind not in self._iterations:
+            self._iterations[kind] = self._iteration(kind)
+        return self._iterations[kind]
+
+    def _iteration(self, kind: MergeKind) -> Iteration:
         layers = self.layers
         if self.workers == 1:
             return self._result(None, {}, {}, np.full((len(layers), 1), self.compute))

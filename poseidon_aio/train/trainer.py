@@ -877,16 +877,16 @@ class Trainer:
 
     def _trial_plans(self, groups: dict, infos: dict) -> list:
         """The plans to try, ``[(planner, {Scheme: groups}, [])]``: one per planner (``best``:
-        Algorithm 1's, then the exact one's where it differs), a scheme with fewer candidates
-        keeping its first; only plans that merge."""
+        Algorithm 1's, then the exact one's and one message's where they differ), a scheme with
+        fewer candidates keeping its first; only plans that merge."""
         planners = dict.fromkeys(c["planner"] for info in infos.values() for c in info["candidates"])
+        by_name = {name: {layer.name: layer.index for layer in self._layers_of(Scheme(name))} for name in infos}
         trials = []
         for planner in planners:
             plan = dict(groups)
             for name, info in infos.items():
                 chosen = next((c for c in info["candidates"] if c["planner"] == planner), info["candidates"][0])
-                by_name = {layer.name: layer.index for layer in self._layers_of(Scheme(name))}
-                plan[Scheme(name)] = [sorted(by_name[n] for n in group) for group in chosen["groups"]]
+                plan[Scheme(name)] = [sorted(by_name[name][n] for n in group) for group in chosen["groups"]]
             if any(len(g) > 1 for gs in plan.values() for g in gs) and all(plan != other for _, other, _ in trials):
                 trials.append((planner, plan, []))
         return trials
