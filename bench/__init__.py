@@ -59,3 +59,8 @@ def launch(module: str, world: int, cfg: dict, *, namespaces=None, timeout: floa
         with open(out) as f:
             results.append(json.load(f))
     return results
+
+
+def median_run(runs: list) -> dict:
+    """The run whose step time is the median of the repeats (the lower one of an even count)."""
+    return sorted(runs, key=lambda r: r["step_s"])[(len(runs) - 1) // 2]

@@ -21,7 +21,9 @@ Implementations, side by side in one run:
 * ``auto``: poseidon with ``compression="auto"``: per layer the least predicted time among the
   exact schemes, fp16, PowerSGD (the same rank) and top-k, on the link measured at start-up.
 
-A step's time is the median over the timed steps of the slowest rank. Without root (no
+A step's time is the median over the timed steps of the slowest rank; with ``--repeats R`` every
+implementation runs R times, interleaved (a slow minute of the shared host lands on all of them),
+a cell is the median repeat and a ratio the median of the repeats' ratios, min-max shown. Without root (no
 namespaces) our processes are capped by the library's shaper and DDP runs uncapped; the report
 says so and its speed-ups then mean nothing.
 
@@ -40,7 +42,7 @@ import statistics
 import sys
 import time
 
-from bench import launch
+from bench import launch, median_run
 
 IMPLS = ["ddp", "ddp_powersgd", "ddp_fp16", "exact", "auto"]
 RATES = {"1gbit": ("1gbit", 125e6), "100mbit": ("100mbit", 12.5e6)}
@@ -110,7 +112,7 @@ def worker(cfg: dict) -> None:
         if cfg.get("shaper_rate"):
             shaper = ShaperConfig(egress_rate=cfg["shaper_rate"], ingress_rate=cfg["shaper_rate"])
             net = NetConfig(token=token_from_env(), shaper=shaper)
-        compression = CompressionConfig("auto", rank=cfg["rank_r"]) if cfg["impl"] == "auto" else None
+        compression = CompressionConfig(cfg.get("method", "auto"), rank=cfg["rank_r"]) if cfg["impl"] == "auto" else None
 
         async def main():
             stats = []
@@ -129,6 +131,7 @@ def worker(cfg: dict) -> None:
             "schemes": stats[-1].schemes,
             "why": why,
             "compute_s": statistics.median(s.compute_s for s in stats),
+            "stall_s": statistics.median(s.stall_s for s in stats),
             "bytes": statistics.median(sum(s.bytes.values()) for s in stats),
         }
     with open(cfg["out"], "w") as f:
@@ -158,10 +161,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--rank", type=int, default=4, help="PowerSGD's rank, ours and DDP's hook's")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every implementation per row, interleaved; a cell is their median, a ratio the median of the repeats' ratios (min-max shown)")
     parser.add_argument("--warmup", type=int, default=13, help="untimed steps (merging is planned after 3, then up to 3 plans tried for 3 steps each; DDP's PowerSGD starts at 2)")
     parser.add_argument("--device-tflops", type=float, default=6.0, help="replayed device rate, TFLOP/s")
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     if args.worker:
         worker(json.loads(args.worker))
         return {}
@@ -176,35 +182,47 @@ def main(argv=None) -> dict:
         notes.append(f"network namespaces unavailable ({why}): our processes were capped by the library's shaper, DDP ran UNCAPPED")
     for link in args.links.split(","):
         for model in args.models.split(","):
-            results = {}
-            for impl in impls:
-                try:
-                    if capped:
-                        with netns.hosts(args.workers, RATES[link][0]) as names:
-                            results[impl] = run_config(impl, model, args.workers, link, args, names)
-                    else:
-                        results[impl] = run_config(impl, model, args.workers, link, args, None)
-                except RuntimeError as exc:  # one implementation failing is a finding, not the end of the run
-                    notes.append(f"{impl} on {model}, {link}: FAILED ({str(exc).splitlines()[0]}); see stderr")
-                    print(exc, file=sys.stderr, flush=True)
-                    continue
-                print(f"  {link} {model} x{args.workers} {impl}: {results[impl]['step_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+            runs = {impl: [] for impl in impls}
+            for rep in range(args.repeats):
+                for impl in impls:
+                    try:
+                        if capped:
+                            with netns.hosts(args.workers, RATES[link][0]) as names:
+                                result = run_config(impl, model, args.workers, link, args, names)
+                        else:
+                            result = run_config(impl, model, args.workers, link, args, None)
+                    except RuntimeError as exc:  # one implementation failing is a finding, not the end of the run
+                        notes.append(f"{impl} on {model}, {link}{f' (repeat {rep + 1})' if args.repeats > 1 else ''}: FAILED ({str(exc).splitlines()[0]}); see stderr")
+                        print(exc, file=sys.stderr, flush=True)
+                        result = None
+                    runs[impl].append(result)
+                    if result is not None:
+                        print(f"  {link} {model} x{args.workers} {impl}" + (f" (repeat {rep + 1})" if args.repeats > 1 else "") + f": {result['step_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+            results = {impl: median_run([r for r in rs if r]) for impl, rs in runs.items() if any(rs)}
             row = {"link": link, "model": model, **{i: results[i]["step_s"] for i in impls if i in results}}
             if "auto" in results:
                 schemes = results["auto"]["rank0"].get("schemes", {})
                 row["lossy"] = {k: v for k, v in schemes.items() if v in LOSSY}
                 row["layers"] = len(schemes)
                 for base in ("ddp", "ddp_powersgd", "ddp_fp16", "exact"):
-                    if base in results:
-                        row[f"auto_vs_{base}"] = results[base]["step_s"] / results["auto"]["step_s"]
+                    ratios = sorted(b["step_s"] / a["step_s"] for b, a in zip(runs.get(base, []), runs["auto"]) if a and b)
+                    if ratios:
+                        row[f"auto_vs_{base}"] = statistics.median(ratios)
+                        row[f"auto_vs_{base}_spread"] = (ratios[0], ratios[-1])
             rows.append(row)
     lines = [
-        f"Step time, ms (median of the slowest rank), {args.workers} workers, replayed compute; speed-up = other ÷ auto",
+        f"Step time, ms (median of the slowest rank), {args.workers} workers, replayed compute; speed-up = other ÷ auto"
+        + (f" (median of {args.repeats} interleaved repeats' ratios, min–max)" if args.repeats > 1 else ""),
         "",
         "| link | model | " + " | ".join(impls) + " | auto vs ddp | vs ddp+PowerSGD | vs ddp+fp16 | vs exact | lossy layers |",
         "|---|---|" + "---|" * (len(impls) + 5),
     ]
-    fmt = lambda r, k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
+    def fmt(r, k):
+        if k not in r:
+            return "-"
+        lo, hi = r[f"{k}_spread"]
+        return f"{r[k]:.2f}" + (f" ({lo:.2f}–{hi:.2f})" if args.repeats > 1 else "")
+
     for r in rows:
         cells = " | ".join(f"{r[i] * 1e3:.1f}" if i in r else "failed" for i in impls)
         lossy = f"{len(r['lossy'])} of {r['layers']}" if "lossy" in r else "-"
@@ -229,6 +247,7 @@ def main(argv=None) -> dict:
         "min_speedup_auto_vs_ddp_powersgd_1gbit": worst("1gbit", "auto_vs_ddp_powersgd"),
         "workers": args.workers,
         "powersgd_rank": args.rank,
+        "repeats": args.repeats,
         "ddp_capped": capped,
         "device_tflops": args.device_tflops,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",

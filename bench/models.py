@@ -14,8 +14,17 @@ replaces the compute of every layer that owns parameters by a sleep for its FLOP
 (forward 1x, backward 2x: the input's and the weight's gradient), measured once on a real
 forward. A replayed layer's weight gradient is a fixed random tensor. Layers the trainer syncs by
 sufficient factors compute no weight gradient (``train.layers``): ``skip_weight_grad(model,
-names)`` makes their replayed backward 1x. What is not a layer (activations, attention's softmax
-and matmuls, pooling) still runs for real, on zeros.
+names)`` makes their replayed backward 1x.
+
+What is not a layer (activations, pooling, residual additions, attention's softmax and
+matmuls) is not run: the replayed model's forward is the chain of its layers in the order the
+real forward called them, each fed zeros of the shape its real input had, so the backward
+produces the layers' gradients in the real backward's order. Those operations are a few percent
+of these models' FLOPs on the emulated device; run for real on this CPU (as ``replay`` did up
+to 2026-11-24) they took 30-50 times the replayed layers' time (cnn: 7.8 ms a step against 0.26
+ms replayed, one process; 18-23 ms with four processes on the two cores), so every
+implementation's step was this CPU's, not the device's. Zeros are zero-stride views, never
+materialised, except where an implementation reads them (sufficient factors' v rows).
 """
 
 from __future__ import annotations
@@ -137,6 +146,25 @@ def build(name: str, seed: int = 0):
 # -- replay -----------------------------------------------------------------------------------
 
 
+class _Clock:
+    """Replayed time owed and not yet slept. ``time.sleep`` overshoots by 50-60 us on Linux (the
+    timer slack), more than most of these layers' whole replayed time (resnet: 63 sleeps of 7 us
+    on average a step): sleeping each layer's time alone would replay 4 ms where 0.44 are due. So
+    a layer's time is added to a debt, slept once it reaches ``grain``, and the overshoot is paid
+    back by the layers after: the total is kept, each gradient is at most ``grain`` early."""
+
+    grain = 1e-4
+    debt = 0.0
+
+    @classmethod
+    def spend(cls, seconds: float) -> None:
+        cls.debt += seconds
+        if cls.debt >= cls.grain:
+            started = time.perf_counter()
+            time.sleep(cls.debt)
+            cls.debt -= time.perf_counter() - started
+
+
 class Replay(torch.autograd.Function):
     """A layer's compute replayed: sleep ``layer.replay_fwd_s`` forward (twice that backward, once
     without a weight gradient), return ``layer.replay_out`` and ``layer.replay_grads``."""
@@ -144,17 +172,41 @@ class Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, layer, *params):
         ctx.layer, ctx.x_shape, ctx.x_dtype = layer, x.shape, x.dtype
+        if getattr(layer, "replay_lazy", False):
+            _Clock.spend(layer.replay_fwd_s)
+            return _zeros(layer.replay_out.shape, layer.replay_out.dtype)
         time.sleep(layer.replay_fwd_s)
         return layer.replay_out.clone()
 
     @staticmethod
     def backward(ctx, grad):
         layer = ctx.layer
-        time.sleep(layer.replay_fwd_s * (1 if layer.replay_skip_weight_grad else 2))
-        grad_x = torch.zeros(ctx.x_shape, dtype=ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        lazy = getattr(layer, "replay_lazy", False)
+        (_Clock.spend if lazy else time.sleep)(layer.replay_fwd_s * (1 if layer.replay_skip_weight_grad else 2))
+        zeros = _zeros if lazy else torch.zeros
+        grad_x = zeros(ctx.x_shape, dtype=ctx.x_dtype) if ctx.needs_input_grad[0] else None
         if layer.replay_skip_weight_grad:  # no weight gradient at all, as train.layers does for real
             return (grad_x, None, *(None for _ in layer.replay_grads))
         return (grad_x, None, *layer.replay_grads)
+
+
+def _zeros(shape, dtype=torch.float32) -> torch.Tensor:
+    """Zeros of ``shape`` that cost one element: a zero-stride view."""
+    return torch.zeros((), dtype=dtype).expand(shape)
+
+
+class _Feed(torch.autograd.Function):
+    """The chain's link between two replayed layers: the next layer's input, zeros of the shape
+    its real input had; backward, zeros of the previous layer's output."""
+
+    @staticmethod
+    def forward(ctx, h, shape, dtype):
+        ctx.h_shape, ctx.h_dtype = h.shape, h.dtype
+        return _zeros(shape, dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _zeros(ctx.h_shape, ctx.h_dtype), None, None
 
 
 def _flops(module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> float:
@@ -167,12 +219,17 @@ def _flops(module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> float:
 
 
 def replay(model: nn.Module, batch, tflops: float) -> nn.Module:
-    """Replace the compute of every layer that owns parameters by a sleep at ``tflops``."""
+    """Replace the compute of every layer that owns parameters by a sleep at ``tflops``, and the
+    model's forward by the chain of those layers in their real forward's order (the docstring
+    at the top says why)."""
     owners = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
-    seen = {}
+    seen, order = {}, []
 
     def record(module, inputs, output):
+        if module in seen:
+            raise ValueError(f"replay: {type(module).__name__} is called twice in one forward; a chain cannot replay it")
         seen[module] = (inputs[0], output)
+        order.append(module)
 
     handles = [m.register_forward_hook(record) for m in owners]
     with torch.no_grad():
@@ -186,8 +243,19 @@ def replay(model: nn.Module, batch, tflops: float) -> nn.Module:
         m.replay_out = torch.zeros_like(out)
         m.replay_grads = [torch.randn_like(p) * 1e-3 for p in params]
         m.replay_skip_weight_grad = False
+        m.replay_lazy = True
+        m.replay_in = (tuple(x.shape), x.dtype)
         # A subclass with its own forward: the trainer then sees a layer with custom compute.
         m.__class__ = type(f"Replayed{type(m).__name__}", (type(m),), {"forward": lambda self, x, *a, **k: Replay.apply(x, self, *self.parameters(recurse=False))})
+
+    def chain(self, x, *args, **kwargs):
+        h = order[0](x)
+        for m in order[1:]:
+            shape, dtype = m.replay_in
+            h = m(h if (h.shape, h.dtype) == (shape, dtype) else _Feed.apply(h, shape, dtype))
+        return h
+
+    model.forward = chain.__get__(model)
     return model
 
 
@@ -221,3 +289,27 @@ def compute_saved_by_factors(repeats: int = 20) -> dict:
             times.append(time.perf_counter() - started)
         timings[label] = statistics.median(times)
     return timings
+
+
+def replay_cost(name: str, tflops: float = 6.0, repeats: int = 25) -> dict:
+    """What a replayed forward + backward of model ``name`` costs on this CPU (one process, one
+    thread, median of ``repeats`` after 5 untimed) against the replayed FLOPs' time it stands for.
+
+    >>> sorted(replay_cost("cnn", repeats=1))
+    ['due_s', 'taken_s']
+    """
+    import statistics
+
+    torch.set_num_threads(1)
+    model, batch, _ = build(name, seed=0)
+    _, (x, _), _ = build(name, seed=1)
+    replay(model, batch, tflops)
+    due = 3 * sum(m.replay_fwd_s for m in model.modules() if hasattr(m, "replay_fwd_s"))
+    times = []
+    for i in range(5 + repeats):
+        started = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        model(x).float().mean().backward()
+        if i >= 5:
+            times.append(time.perf_counter() - started)
+    return {"due_s": due, "taken_s": statistics.median(times)}

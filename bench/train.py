@@ -37,7 +37,7 @@ import statistics
 import sys
 import time
 
-from bench import launch
+from bench import launch, median_run
 
 IMPLS = ["ddp", "wfbp", "poseidon"]
 RATES = {"1gbit": ("1gbit", 125e6), "100mbit": ("100mbit", 12.5e6)}
@@ -148,11 +148,6 @@ def run_config(impl: str, model: str, world: int, link: str, compute: str, args,
         result["compute_s"] = max(r["compute_s"] for r in ranks)
         result["bytes"] = max(r["bytes"] for r in ranks)  # in + out, the busiest rank
     return result
-
-
-def median_run(runs: list) -> dict:
-    """The run whose step time is the median of the repeats (the lower one of an even count)."""
-    return sorted(runs, key=lambda r: r["step_s"])[(len(runs) - 1) // 2]
 
 
 def lower_bound(result: dict, link: str) -> float:

@@ -51,8 +51,13 @@ def test_every_mode_keeps_replicas_identical_and_equals_one_process(spec, worker
                 assert a.tobytes() == b.tobytes(), f"{label}: rank {r}'s replica differs from rank 0's"
         for a, ref in zip(params, reference):
             np.testing.assert_allclose(a, ref, rtol=1e-5, atol=1e-6, err_msg=f"{label} differs from the single-process run")
-    # Same seed, same result: the second poseidon run is bit for bit the first.
-    assert all(a.tobytes() == b.tobytes() for a, b in zip(res[0]["poseidon"]["params"], res[0]["again"]["params"]))
+    # Same seed and same plan, same result: the second poseidon run is bit for bit the first.
+    # HybComm's schemes and MG-WFBP's groups come from the link and backward measured at start-up,
+    # so under load the second run can plan otherwise (seen once in 18 runs beside a CPU hog), and
+    # another plan may sum in another order; the claim is about the same plan.
+    first, again = res[0]["poseidon"], res[0]["again"]
+    if (first["schemes"], first["groups"]) == (again["schemes"], again["groups"]):
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(first["params"], again["params"]))
 
 
 def test_hybcomm_uses_sfb_where_it_is_cheaper_and_bytes_match_the_cost_model():

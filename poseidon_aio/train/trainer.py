@@ -349,8 +349,13 @@ class Trainer:
         try:
             if not failed:
                 await self._drain()
+                if self.world > 1:
+                    # Every rank's syncs are over before any rank closes a link: a rank whose last
+                    # step was done could otherwise close while a peer was still reading that step's
+                    # all-gather from it, and the peer's link was reset mid-frame (seen once in
+                    # bench train: 4 workers, all layers on the all-reduce, no PS to wait for).
+                    await self._job.rendezvous.barrier("trainer-done")
                 if self._node is not None:
-                    await self._node.rendezvous.barrier("trainer-done")  # every rank's syncs are over
                     self._count_shard_bytes(self.bytes_total)
         finally:
             for hook in [*self._ready.values(), *self._captures.values()]:
