@@ -112,7 +112,7 @@ def worker(cfg: dict) -> None:
         if cfg.get("shaper_rate"):
             shaper = ShaperConfig(egress_rate=cfg["shaper_rate"], ingress_rate=cfg["shaper_rate"])
             net = NetConfig(token=token_from_env(), shaper=shaper)
-        compression = CompressionConfig(cfg.get("method", "auto"), rank=cfg["rank_r"]) if cfg["impl"] == "auto" else None
+        compression = CompressionConfig("auto", rank=cfg["rank_r"]) if cfg["impl"] == "auto" else None
 
         async def main():
             stats = []
@@ -131,7 +131,6 @@ def worker(cfg: dict) -> None:
             "schemes": stats[-1].schemes,
             "why": why,
             "compute_s": statistics.median(s.compute_s for s in stats),
-            "stall_s": statistics.median(s.stall_s for s in stats),
             "bytes": statistics.median(sum(s.bytes.values()) for s in stats),
         }
     with open(cfg["out"], "w") as f:

@@ -93,6 +93,8 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
             model = build_model(spec, seed + (rank if label == "skewed" else 0))
             if overrides == "adam-first-linear":
                 overrides = {next(n for n, m in model.named_modules() if isinstance(m, nn.Linear)): "adam"}
+            elif overrides == "as-poseidon":
+                overrides = dict(out["poseidon"]["schemes"])
             elif overrides == "every-allreduce":
                 overrides = {n: "allreduce" for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))}
             elif overrides == "mixed":  # the first Linear by SFB, then all-reduce and PS in turn
