@@ -123,13 +123,14 @@ def worker(cfg: dict) -> None:
                     times.append(time.perf_counter() - started)
                     if t == 0:  # the layers synced by factors compute no weight gradient
                         skip_weight_grad(model, [n for n, s in stats[0].schemes.items() if s in ("sfb", "adam")])
-            return stats, {name: w.why for name, w in trainer.compression_plan.items()}
+            return stats, {name: w.why for name, w in trainer.compression_plan.items()}, trainer.merge_groups
 
-        stats, why = poseidon_aio.run(main())
+        stats, why, groups = poseidon_aio.run(main())
         stats = stats[cfg["warmup"]:]
         extra = {
             "schemes": stats[-1].schemes,
             "why": why,
+            "groups": [g for g in groups if len(g) > 1],  # MG-WFBP's merged messages
             "compute_s": statistics.median(s.compute_s for s in stats),
             "bytes": statistics.median(sum(s.bytes.values()) for s in stats),
         }
@@ -202,6 +203,7 @@ def main(argv=None) -> dict:
             if "auto" in results:
                 schemes = results["auto"]["rank0"].get("schemes", {})
                 row["lossy"] = {k: v for k, v in schemes.items() if v in LOSSY}
+                row["merged"] = results["auto"]["rank0"].get("groups", [])
                 row["layers"] = len(schemes)
                 for base in ("ddp", "ddp_powersgd", "ddp_fp16", "exact"):
                     ratios = sorted(b["step_s"] / a["step_s"] for b, a in zip(runs.get(base, []), runs["auto"]) if a and b)
@@ -231,7 +233,7 @@ def main(argv=None) -> dict:
         print(f"\nnote: {n}")
     for r in rows:
         if "lossy" in r:
-            print(f"auto's lossy layers ({r['model']}, {r['link']}): {r['lossy']}")
+            print(f"auto's lossy layers ({r['model']}, {r['link']}): {r['lossy']}; merged messages: {r['merged']}")
 
     def worst(link: str, key: str):
         values = [r[key] for r in rows if r["link"] == link and key in r]

@@ -162,6 +162,50 @@ def test_powersgd_reproduces_gradients_that_stay_in_one_rank_r_subspace(m, n, wo
         assert float(np.abs(fb.entry("fc")["error.0"]).max()) <= 1e-3
 
 
+layer_shapes = st.lists(
+    st.tuples(st.integers(2, 12), st.integers(2, 12), st.booleans()).map(lambda d: [(d[0], d[1]), (d[0],)] if d[2] else [(d[0], d[1])]),
+    min_size=2, max_size=4,
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(layers=layer_shapes, world=st.integers(1, 4), steps=st.integers(1, 5), rank=st.integers(1, 4), seed=st.integers(0, 10_000))
+def test_powersgd_merged_layers_give_each_layer_its_own_bits_and_state(layers, world, steps, rank, seed):
+    """An MG-WFBP group of PowerSGD layers (one P and one Q all-reduce for all) yields every
+    layer's result and error-feedback state bit for bit as its own sync would: state is kept per
+    layer, and each element of the concatenated all-reduces is summed in rank order either way."""
+    names = [f"l{i}" for i in range(len(layers))]
+    shapes = [s for layer in layers for s in layer]
+    members = [(name, len(layer)) for name, layer in zip(names, layers)]
+    grads = _gradients(seed, world, steps, shapes)
+    merged_fb, alone_fb = [Feedback() for _ in range(world)], [Feedback() for _ in range(world)]
+    for grads_t in grads:
+        merged = [PowerSGDStep("l0..", g, rank, fb, members) for g, fb in zip(grads_t, merged_fb)]
+        p = rank_order_mean([s.begin() for s in merged])
+        q = rank_order_mean([s.middle(p) for s in merged])
+        merged_out = [s.finish(q) for s in merged]
+        first, alone_out = 0, [[] for _ in range(world)]
+        for name, layer in zip(names, layers):
+            alone = [PowerSGDStep(name, g[first : first + len(layer)], rank, fb) for g, fb in zip(grads_t, alone_fb)]
+            p = rank_order_mean([s.begin() for s in alone])
+            q = rank_order_mean([s.middle(p) for s in alone])
+            for w, s in enumerate(alone):
+                alone_out[w] += s.finish(q)
+            first += len(layer)
+        for w in range(world):
+            assert [a.tobytes() for a in merged_out[w]] == [a.tobytes() for a in alone_out[w]]
+    for a, b in zip(merged_fb, alone_fb):
+        sa, sb = a.state(), b.state()
+        assert sorted(sa) == sorted(sb) and all(sa[k].tobytes() == sb[k].tobytes() for k in sa)
+
+
+def test_powersgd_step_rejects_members_that_do_not_cover_its_arrays():
+    with pytest.raises(ConfigError, match="members name 3 arrays, it holds 2"):
+        PowerSGDStep("a..b", [np.zeros((4, 4), np.float32)] * 2, 2, Feedback(), [("a", 1), ("b", 2)])
+    with pytest.raises(ConfigError, match="layer b has no matrix parameter"):
+        PowerSGDStep("a..b", [np.zeros((4, 4), np.float32), np.zeros(4, np.float32)], 2, Feedback(), [("a", 1), ("b", 1)])
+
+
 def test_orthonormalize_zeroes_dependent_columns_and_keeps_a_projection():
     p = np.float32([[1, 2, 0.5], [1, 2, 0.0], [0, 0, 1.0]])  # the second column is twice the first
     q = orthonormalize(p)

@@ -23,9 +23,12 @@ class Bucket:
             that move factors.
         shape: ``(M, N)`` of the layer's weight (factor schemes).
         priority: lower goes first on the link (layers nearest the input gate the next forward).
+        members: ``(layer label, number of parameters)`` of each layer it covers, in model order:
+            a scheme that keeps state per layer (PowerSGD's error feedback) keys it by these, so
+            the state is the same however MG-WFBP groups the layers.
     """
 
-    __slots__ = ("label", "layers", "params", "grads", "outs", "factors", "shape", "priority")
+    __slots__ = ("label", "layers", "params", "grads", "outs", "factors", "shape", "priority", "members")
 
     def __init__(
         self,
@@ -38,6 +41,7 @@ class Bucket:
         factors: Optional[tuple] = None,
         shape: Optional[tuple] = None,
         priority: int = 0,
+        members: Optional[Sequence[tuple]] = None,
     ) -> None:
         self.label = label
         self.layers = tuple(layers)
@@ -47,6 +51,7 @@ class Bucket:
         self.factors = factors
         self.shape = shape
         self.priority = priority
+        self.members = tuple(members) if members is not None else ((label, len(self.params)),)
 
     def __repr__(self) -> str:
         return f"<Bucket {self.label} layers {list(self.layers)} params {list(self.params)}>"
@@ -64,4 +69,5 @@ class Bucket:
             [o for b in buckets for o in b.outs],
             grads=[g for b in buckets for g in b.grads],
             priority=min(b.priority for b in buckets),
+            members=[m for b in buckets for m in b.members],
         )

@@ -295,37 +295,52 @@ def _stored(entry: dict, name: str, shape: tuple, label: str, make) -> np.ndarra
 
 
 class PowerSGDStep:
-    """One PowerSGD step of one layer on one worker, in three pure stages around two all-reduces.
+    """One PowerSGD step of one layer, or of an MG-WFBP group of layers, on one worker, in three
+    pure stages around two all-reduces.
 
     Args:
-        label: the layer's name (seeds the first Q, keys the state).
-        grads: the layer's gradient arrays, in parameter order.
+        label: the layer's name, or the group's (errors name it).
+        grads: the gradient arrays, in parameter order (a group's: each layer's in model order).
         rank: r.
         feedback: the worker's :class:`Feedback`; the state is committed by :meth:`finish` only.
+        members: ``(layer name, number of arrays)`` of each layer in ``grads`` (default: one layer,
+            ``label``). The state is kept, and the first Q seeded, per layer and matrix, so a
+            layer's factors, errors and results are the same bits merged or alone: merging only
+            concatenates the all-reduced vectors, whose every element is summed in rank order
+            either way.
 
     >>> # p = step.begin(); q = step.middle(mean(p)); outs = step.finish(mean(q))
     """
 
-    def __init__(self, label: str, grads: Sequence[np.ndarray], rank: int, feedback: Feedback) -> None:
+    def __init__(self, label: str, grads: Sequence[np.ndarray], rank: int, feedback: Feedback, members: Optional[Sequence[tuple]] = None) -> None:
         self.label = label
         self.shapes = [g.shape for g in grads]
         self.rank = rank
-        self._entry = feedback.entry(label)
         self._grads = grads
-        self._mats = [i for i, g in enumerate(grads) if g.ndim >= 2]
+        members = members or ((label, len(grads)),)
+        if sum(count for _, count in members) != len(grads):
+            raise ConfigError(f"bucket {label}: its members name {sum(c for _, c in members)} arrays, it holds {len(grads)}")
+        # each matrix: (its index in grads, its layer, that layer's state, its index in the layer)
+        self._mats: list = []
+        first = 0
+        for owner, count in members:
+            mats = [i for i in range(first, first + count) if grads[i].ndim >= 2]
+            if not mats:
+                raise ConfigError(f"layer {owner} has no matrix parameter: PowerSGD compresses matrices (Linear, convolution, embedding weights)")
+            entry = feedback.entry(owner)
+            self._mats += [(i, owner, entry, j) for j, i in enumerate(mats)]
+            first += count
         self._vecs = [i for i, g in enumerate(grads) if g.ndim < 2]
-        if not self._mats:
-            raise ConfigError(f"layer {label} has no matrix parameter: PowerSGD compresses matrices (Linear, convolution, embedding weights)")
 
     def begin(self) -> np.ndarray:
-        """``M = G + E``; the flat ``[P_1 .. P_j, bias]`` to all-reduce, ``P = M Q``."""
+        """``M = G + E``; the flat ``[P_1 .. P_j, biases]`` to all-reduce, ``P = M Q``."""
         self._m, self._q = [], []
         out = []
-        for j, i in enumerate(self._mats):
+        for i, owner, entry, j in self._mats:
             m, n = matrix_of(self.shapes[i])
             r = min(self.rank, m, n)
-            error = _stored(self._entry, f"error.{j}", (m, n), self.label, lambda: np.zeros((m, n), np.float32))
-            q = _stored(self._entry, f"q.{j}", (n, r), self.label, lambda: initial_q(self.label, j, n, r))
+            error = _stored(entry, f"error.{j}", (m, n), owner, lambda: np.zeros((m, n), np.float32))
+            q = _stored(entry, f"q.{j}", (n, r), owner, lambda: initial_q(owner, j, n, r))
             mat = self._grads[i].reshape(m, n) + error
             self._m.append(mat)
             self._q.append(q)
@@ -355,14 +370,13 @@ class PowerSGDStep:
         new errors ``E = M - P_hat Q_local^T`` and the warm start ``Q = Q_mean``."""
         outs: list = [None] * len(self.shapes)
         offset = 0
-        for j, i in enumerate(self._mats):
-            mat, p_hat, q_local = self._m[j], self._p_hat[j], self._q_local[j]
+        for (i, _, entry, j), mat, p_hat, q_local in zip(self._mats, self._m, self._p_hat, self._q_local):
             size = q_local.size
             q_bar = np.array(q_mean[offset : offset + size].reshape(q_local.shape), dtype=np.float32, copy=True)
             offset += size
             outs[i] = (p_hat @ q_bar.T).reshape(self.shapes[i])
-            self._entry[f"error.{j}"] = mat - p_hat @ q_local.T
-            self._entry[f"q.{j}"] = q_bar
+            entry[f"error.{j}"] = mat - p_hat @ q_local.T
+            entry[f"q.{j}"] = q_bar
         offset = 0
         for i in self._vecs:
             n = self._grads[i].size

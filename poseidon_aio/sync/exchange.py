@@ -249,7 +249,10 @@ class LossySyncer:
     in the bucket's host outs.
     """
 
-    mergeable = False  # the payload is a function of one layer's shapes; merging would re-cut it
+    # A payload cut to one layer: top-k's k is a share of its elements (merged, it would choose
+    # across layers), fp16's scale is its chunk's largest value (merged, a layer of small
+    # gradients would share a large one's scale and lose their low bits). PowerSGD says otherwise.
+    mergeable = False
     host_outs = True
 
     def __init__(self, mesh: MeshExchange, config, feedback) -> None:

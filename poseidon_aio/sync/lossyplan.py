@@ -177,6 +177,24 @@ def lossy_time(layer, scheme: Scheme, workers: int, link: Link, config: Compress
     raise ConfigError(f"{scheme.value} is not a lossy scheme")
 
 
+def message_bytes(shapes, scheme: Scheme, config: CompressionConfig) -> int:
+    """Bytes of one rank's part of a lossy ``scheme``'s sync of parameters of ``shapes``, before
+    the all-reduce spreads them: what MG-WFBP counts as the layer's message (an exact layer's is
+    its parameters' bytes).
+
+    >>> message_bytes([(64, 256), (64,)], Scheme.POWERSGD, CompressionConfig(rank=4))
+    5376
+    >>> message_bytes([(64, 256), (64,)], Scheme.FP16, CompressionConfig())
+    32896
+    """
+    mats, vec = split_shapes(shapes)
+    if scheme is Scheme.FP16:
+        return half.ITEM_BYTES * (sum(m * n for m, n in mats) + vec)
+    if scheme is Scheme.POWERSGD:
+        return 4 * (sum(min(config.rank, m, n) * (m + n) for m, n in mats) + vec)
+    raise ConfigError(f"{scheme.value} is not a lossy scheme MG-WFBP merges")
+
+
 @dataclass(frozen=True)
 class Weighing:
     """One layer's decision: every candidate's predicted seconds, the exact schemes' choice,

@@ -6,6 +6,10 @@ the last step's error (the bias appended, exact), all-reduced, orthonormalized o
 ``Q = M^T P_hat``, all-reduced; the result is ``P_hat Q_mean^T``. The arithmetic is
 :class:`~poseidon_aio.sync.compress.PowerSGDStep`'s. For an m x n matrix that moves r (m + n)
 floats instead of mn: a 512 x 4608 convolution at r = 4 sends 20 480 floats, not 2.4 million.
+
+Such messages are small, so their start-up (two rounds of the mesh, three hops to the compute
+thread) weighs: MG-WFBP merges consecutive PowerSGD layers like exact ones, its message size a
+layer's factor bytes (``lossyplan.message_bytes``), its start-up two rounds'.
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ class PowerSGDSyncer(LossySyncer, Syncer):
     """
 
     scheme = Scheme.POWERSGD
+    # MG-WFBP may merge consecutive PowerSGD layers: one P and one Q all-reduce for the group (as
+    # DDP's hook does per bucket), the state still per layer (``PowerSGDStep``'s members).
+    mergeable = True
 
     async def _sync(self, bucket, clock: int) -> SyncResult:
-        step = PowerSGDStep(bucket.label, bucket.grads, self.config.rank, self.feedback)
+        step = PowerSGDStep(bucket.label, bucket.grads, self.config.rank, self.feedback, bucket.members)
         layer, what = bucket.layers[0], f"layer {bucket.label}"
         p = await self._mesh.run(step.begin)
         p_mean, sent_p, received_p = await self._mesh.allreduce(p, lowrank, layer=layer, phase=PHASE_P, clock=clock, what=f"PowerSGD's P of {what}", priority=bucket.priority)

@@ -2,8 +2,8 @@
 
 At start-up the ranks time push/reply round trips of several sizes around a ring and fit
 ``T(p) = a + b p`` (:func:`calibrate`; HybComm's link, :func:`link_of`, comes from the same fit).
-For ``MergeConfig.after`` steps the trainer reports, per mergeable scheme (PS, all-reduce), each
-step's forward time, when each of its layers' gradient was ready, and the intervals its syncs
+For ``MergeConfig.after`` steps the trainer reports, per mergeable scheme (PS, all-reduce, fp16,
+PowerSGD), each step's forward time, when each of its layers' gradient was ready, and the intervals its syncs
 ran; then rank 0 refits the per-byte cost from those syncs, plans (``mgwfbp.merge_plan``,
 ``mgwfbp.optimal_plan`` or, for ``best``, both and ``mgwfbp.single_plan``), publishes the plans,
 and every rank checks their hash before adopting them. Each plan that merges then runs for
@@ -187,7 +187,7 @@ class MergeRuntime:
     Args:
         config: :class:`MergeConfig` (a planned kind).
         rank, world, shards: this worker, P1 and P2.
-        scheme: the mergeable scheme whose layers it merges (PS or all-reduce).
+        scheme: the mergeable scheme whose layers it merges (PS, all-reduce, fp16, PowerSGD).
         calibration: the start-up round trips (:func:`calibrate`), shared by every scheme.
     """
 
@@ -265,7 +265,8 @@ class MergeRuntime:
         # taken from the compute, and it is what merging saves: on 2 cores with 2 workers a
         # ResNet-20's 31 messages took ~1 ms of the loop's CPU each against a 0.13 ms round trip
         # idle. (The syncs' own durations cannot tell: they include waiting for slower peers.)
-        a = round_trip.a
+        # PowerSGD's message is two all-reduces one after the other (P, then Q from it): two rounds.
+        a = round_trip.a * (2 if self.scheme is Scheme.POWERSGD else 1)
         # (a job's first step starts the parameter server and faults its buffers in: not a
         # message's cost)
         cpu, serial = (xs[1:] if len(xs) > 1 else xs for xs in (self._samples.cpu, self._samples.serial))

@@ -13,7 +13,8 @@ from typing import Awaitable, Callable, Optional
 import torch
 
 from ..errors import CheckpointError
-from ..sync import LOSSY_SCHEMES, CompressionConfig, ComputeCosts, Feedback, LossyPlanner, PlanLayer, measure_compute
+from ..sync import LOSSY_SCHEMES, CompressionConfig, ComputeCosts, Feedback, LossyPlanner, PlanLayer, Scheme, measure_compute
+from ..sync.lossyplan import message_bytes as lossy_bytes
 from .layers import Layer
 
 log = logging.getLogger("poseidon_aio.train")
@@ -25,6 +26,14 @@ def plan_layer(layer: Layer) -> PlanLayer:
     shapes = tuple(tuple(p.shape) for _, p in layer.params)
     float32 = all(p.dtype is torch.float32 for _, p in layer.params)
     return PlanLayer(layer.shape(), layer.factorable, params=shapes, float32=float32)
+
+
+def message_bytes(layer: Layer, scheme: Scheme, config: Optional[CompressionConfig]) -> int:
+    """What MG-WFBP counts as ``layer``'s message when ``scheme`` syncs it: its parameters' bytes,
+    or, for the lossy schemes it merges (fp16, PowerSGD), one rank's compressed bytes."""
+    if scheme in LOSSY_SCHEMES:
+        return lossy_bytes([tuple(p.shape) for _, p in layer.params], scheme, config or CompressionConfig())
+    return sum(p.numel() * p.element_size() for _, p in layer.params)
 
 
 async def agreed_planner(config: Optional[CompressionConfig], rdzv, rank: int, world: int, run: Callable[..., Awaitable]) -> Optional[LossyPlanner]:

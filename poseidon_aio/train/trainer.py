@@ -850,7 +850,7 @@ class Trainer:
         for scheme, runtime in self._runtimes.items():
             layers = [layer.index for layer in self._layers_of(scheme)]
             spans = [(s.start, s.end) for s in state.spans if s.scheme is scheme and s.end]
-            nbytes = sum(p.numel() * p.element_size() for i in layers for _, p in self.layers[i].params)
+            nbytes = sum(lossy.message_bytes(self.layers[i], scheme, self.compression) for i in layers)
             runtime.record(state.forward_end - state.started, state.forward_end, state.ready_at, layers, spans, nbytes, per_message, serial)
 
     async def _replan(self) -> None:
@@ -864,7 +864,7 @@ class Trainer:
                 syncer = self._syncers[scheme]
                 groups[scheme] = syncer.groups if isinstance(syncer, Merging) else [[layer.index] for layer in layers]
                 continue
-            sizes = [sum(p.numel() * p.element_size() for _, p in layer.params) for layer in layers]
+            sizes = [lossy.message_bytes(layer, scheme, self.compression) for layer in layers]
             info = await runtime.agree(self._job.rendezvous, self._generation, [layer.index for layer in layers], [layer.name for layer in layers], sizes)
             by_name = {layer.name: layer.index for layer in layers}
             # Layers 1..L run from the input: group members are listed input side first; keep the
