@@ -153,6 +153,25 @@ def unsuited(layer, scheme: Scheme, config: CompressionConfig, *, forced: bool =
     return None
 
 
+def message_bytes(shapes, scheme: Scheme, config: CompressionConfig) -> int:
+    """Bytes of one rank's part of an all-reduced lossy scheme's (fp16's, PowerSGD's) sync of
+    parameters of ``shapes``, before the all-reduce spreads them: the bytes in
+    :func:`lossy_time`, and what MG-WFBP counts as a PowerSGD layer's message (an exact layer's is
+    its parameters' bytes).
+
+    >>> message_bytes([(64, 256), (64,)], Scheme.POWERSGD, CompressionConfig(rank=4))
+    5376
+    >>> message_bytes([(64, 256), (64,)], Scheme.FP16, CompressionConfig())
+    32896
+    """
+    mats, vec = split_shapes(shapes)
+    if scheme is Scheme.FP16:
+        return half.ITEM_BYTES * (sum(m * n for m, n in mats) + vec)
+    if scheme is Scheme.POWERSGD:
+        return 4 * (sum(min(config.rank, m, n) * (m + n) for m, n in mats) + vec)
+    raise ConfigError(f"{scheme.value} is not a lossy scheme MG-WFBP merges (nor an all-reduced one: top-k all-gathers)")
+
+
 def lossy_time(layer, scheme: Scheme, workers: int, link: Link, config: CompressionConfig, costs: ComputeCosts, rows: int = 0) -> float:
     """Predicted seconds for lossy ``scheme`` to sync ``layer`` (the table above).
 
@@ -167,32 +186,13 @@ def lossy_time(layer, scheme: Scheme, workers: int, link: Link, config: Compress
     spread = 2 * (workers - 1) / workers
     gemm = 2.0 * rows * layer.shape.m * layer.shape.n * getattr(link, "flop", 0.0) if layer.shape.kind is LayerKind.FC else 0.0
     if scheme is Scheme.FP16:
-        return 2 * link.alpha + link.beta * spread * half.ITEM_BYTES * (d + vec) + costs.of(scheme, d + vec) + gemm
+        return 2 * link.alpha + link.beta * spread * message_bytes(layer.params, scheme, config) + costs.of(scheme, d + vec) + gemm
     if scheme is Scheme.POWERSGD:
-        floats = sum(min(config.rank, m, n) * (m + n) for m, n in mats) + vec
-        return 4 * link.alpha + link.beta * spread * 4 * floats + costs.of(scheme, d) + gemm
+        return 4 * link.alpha + link.beta * spread * message_bytes(layer.params, scheme, config) + costs.of(scheme, d) + gemm
     if scheme is Scheme.TOPK:
         k = topk_count(d, config.ratio)
         return link.alpha + link.beta * (workers - 1) * (4 * vec + 8 * k) + costs.of(scheme, d) + gemm
     raise ConfigError(f"{scheme.value} is not a lossy scheme")
-
-
-def message_bytes(shapes, scheme: Scheme, config: CompressionConfig) -> int:
-    """Bytes of one rank's part of a lossy ``scheme``'s sync of parameters of ``shapes``, before
-    the all-reduce spreads them: what MG-WFBP counts as the layer's message (an exact layer's is
-    its parameters' bytes).
-
-    >>> message_bytes([(64, 256), (64,)], Scheme.POWERSGD, CompressionConfig(rank=4))
-    5376
-    >>> message_bytes([(64, 256), (64,)], Scheme.FP16, CompressionConfig())
-    32896
-    """
-    mats, vec = split_shapes(shapes)
-    if scheme is Scheme.FP16:
-        return half.ITEM_BYTES * (sum(m * n for m, n in mats) + vec)
-    if scheme is Scheme.POWERSGD:
-        return 4 * (sum(min(config.rank, m, n) * (m + n) for m, n in mats) + vec)
-    raise ConfigError(f"{scheme.value} is not a lossy scheme MG-WFBP merges")
 
 
 @dataclass(frozen=True)

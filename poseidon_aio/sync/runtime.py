@@ -2,14 +2,14 @@
 
 At start-up the ranks time push/reply round trips of several sizes around a ring and fit
 ``T(p) = a + b p`` (:func:`calibrate`; HybComm's link, :func:`link_of`, comes from the same fit).
-For ``MergeConfig.after`` steps the trainer reports, per mergeable scheme (PS, all-reduce, fp16,
-PowerSGD), each step's forward time, when each of its layers' gradient was ready, and the intervals its syncs
-ran; then rank 0 refits the per-byte cost from those syncs, plans (``mgwfbp.merge_plan``,
-``mgwfbp.optimal_plan`` or, for ``best``, both and ``mgwfbp.single_plan``), publishes the plans,
-and every rank checks their hash before adopting them. Each plan that merges then runs for
-``MergeConfig.trial`` steps, one after the other, and the fastest is kept only if the job's step
-got faster than in the warm-up (:func:`judge_trial`); otherwise every layer goes back to its own
-message.
+For ``MergeConfig.after`` steps the trainer reports, per mergeable scheme (PS, all-reduce,
+PowerSGD), each step's forward time, when each of its layers' gradient was ready, and the
+intervals its syncs ran; then rank 0 refits the per-byte cost from those syncs, plans
+(``mgwfbp.merge_plan``, ``mgwfbp.optimal_plan`` or, for ``best``, both and
+``mgwfbp.single_plan``), publishes the plans, and every rank checks their hash before adopting
+them. Each plan that merges then runs for ``MergeConfig.trial`` steps, one after the other, and
+the fastest is kept only if the job's step got faster than in the warm-up (:func:`judge_trial`);
+otherwise every layer goes back to its own message.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ class MergeRuntime:
     Args:
         config: :class:`MergeConfig` (a planned kind).
         rank, world, shards: this worker, P1 and P2.
-        scheme: the mergeable scheme whose layers it merges (PS, all-reduce, fp16, PowerSGD).
+        scheme: the mergeable scheme whose layers it merges (PS, all-reduce, PowerSGD).
         calibration: the start-up round trips (:func:`calibrate`), shared by every scheme.
     """
 
