@@ -211,33 +211,41 @@ def run(model: str, impl: str, world: int, args, rate_bits: float) -> dict:
     return out
 
 
-def simulate_beside(results: dict, args, rate_bits: float) -> tuple:
+def simulate_beside(results: dict, args, rate_bits: float, efficiency: Optional[dict] = None) -> tuple:
     """The simulator (poseidon_aio.sync.simulator) at every emulated point, full size, same rate and
-    link, start-up ``--alpha-us`` per message; and MG-WFBP at 64 workers on ResNet-50 with the
-    paper's start-up (``bench simulate``'s case). Returns (markdown lines, max relative error,
-    MG-WFBP speed-up over WFBP)."""
+    link, start-up ``--alpha-us`` per message, on ideal links and, given ``efficiency`` (``{senders:
+    fraction}``, measured on the emulation's links by ``bench.patterns.fan_in_efficiency``), on
+    links that lose what the emulated ones lose to fan-in; and MG-WFBP at 64 workers on ResNet-50
+    with the paper's start-up (``bench simulate``'s case). Returns (markdown lines, max relative
+    error: with the measured fan-in where given, else ideal; the ideal links' max error; MG-WFBP
+    speed-up over WFBP)."""
     from poseidon_aio.cluster.models import trace
     from poseidon_aio.sync.cost import Link
-    from poseidon_aio.sync.simulator import Simulator
+    from poseidon_aio.sync.simulator import FlowEfficiency, Simulator
     from poseidon_aio.wire import Kind
 
     from bench.simulate import paper_startup
 
     link = Link.of_bandwidth(rate_bits / 8, args.alpha_us * 1e-6)
+    effs = {"ideal links": None} | ({"measured fan-in": FlowEfficiency(efficiency)} if efficiency else {})
     lines = [
         f"Simulated vs emulated iteration, ms (simulator: same model trace, {args.device_tflops:g} TFLOP/s, the full-size link, "
-        f"{args.alpha_us:g} us start-up per message); error = |sim - emulated| / emulated",
+        f"{args.alpha_us:g} us start-up per message; ideal links, and links that deliver what the emulation's delivered with "
+        f"n senders into one: {efficiency or 'not measured'}); error = |sim - emulated| / emulated",
         "",
-        "| model | workers | scheme | emulated | simulated | error |",
-        "|---|---|---|---|---|---|",
+        "| model | workers | scheme | emulated | " + " | ".join(f"simulated, {e} | error" for e in effs) + " |",
+        "|---|---|---|---|" + "---|---|" * len(effs),
     ]
-    errors = []
+    errors = {e: [] for e in effs}
     for (model, world, impl), res in sorted(results.items()):
         mode = impl if world > 1 else "wfbp"
-        sim = Simulator(trace(model, args.batch), world, rate=args.device_tflops * 1e12, link=link, mode=mode).run()
-        err = abs(sim.time - res["step_s"]) / res["step_s"]
-        errors.append(err)
-        lines.append(f"| {model} | {world} | {impl} | {res['step_s'] * 1e3:.0f} | {sim.time * 1e3:.0f} | {err * 100:.1f} % |")
+        cells = []
+        for name, eff in effs.items():
+            sim = Simulator(trace(model, args.batch), world, rate=args.device_tflops * 1e12, link=link, mode=mode, efficiency=eff).run()
+            err = abs(sim.time - res["step_s"]) / res["step_s"]
+            errors[name].append(err)
+            cells.append(f"{sim.time * 1e3:.0f} | {err * 100:.1f} %")
+        lines.append(f"| {model} | {world} | {impl} | {res['step_s'] * 1e3:.0f} | " + " | ".join(cells) + " |")
     tr = trace("resnet50", 32)
     sim = Simulator(tr, 64, rate=2e12, link=Link.of_bandwidth(10e9 / 8, paper_startup(64)), mode="mgwfbp", costed=[Kind.PUSH])
     wfbp, alg1, exact, merged = sim.run("none"), sim.run("algorithm1"), sim.run("optimal"), sim.run()
@@ -245,7 +253,32 @@ def simulate_beside(results: dict, args, rate_bits: float) -> tuple:
     lines += ["", f"MG-WFBP (the default planner: the fastest of Algorithm 1's plan, the exact one and one message) vs WFBP, simulated, ResNet-50, "
               f"64 workers, 2 TFLOP/s, 10 Gbit/s, a(64) = {paper_startup(64) * 1e3:.2f} ms per push: {wfbp.time * 1e3:.0f} -> "
               f"{merged.time * 1e3:.0f} ms, {mg:.2f} x (Algorithm 1 {wfbp.time / alg1.time:.2f} x, exact {wfbp.time / exact.time:.2f} x)", ""]
-    return lines, (max(errors) if errors else None), mg
+    worst = {e: (max(errs) if errs else None) for e, errs in errors.items()}
+    return lines, worst[list(effs)[-1]], worst["ideal links"], mg
+
+
+def _efficiency(args, worlds: list, rate_bits: float) -> Optional[dict]:
+    """``{senders: fraction}`` for the simulator (see ``--efficiency``), or None for ideal links."""
+    from poseidon_aio.sync.simulator import FlowEfficiency
+
+    if args.efficiency == "ideal":
+        return None
+    if args.efficiency != "measure":
+        return FlowEfficiency.parse(args.efficiency).points
+    saved = os.path.join(os.path.dirname(args.from_json) if args.from_json else args.out, "paper-efficiency.json")
+    if args.from_json:
+        if not os.path.exists(saved):
+            return None
+        with open(saved) as f:
+            return {int(n): fraction for n, fraction in json.load(f).items()}
+    from bench.patterns import fan_in_efficiency
+
+    # The emulation's own links: the scaled, dilated rate, at the worker counts it ran.
+    measured = fan_in_efficiency(worlds, rate_bits / args.scale / args.dilation)
+    print(f"  fan-in efficiency of the emulation's links: {measured}", file=sys.stderr, flush=True)
+    with open(saved, "w") as f:
+        json.dump(measured, f)
+    return measured or None
 
 
 def lower_bound(results: dict, model: str, world: int, rate_bits: float) -> Optional[float]:
@@ -344,6 +377,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--simulate", action="store_true", default=True, help="run the simulator beside the emulation (default)")
     parser.add_argument("--no-simulate", dest="simulate", action="store_false")
     parser.add_argument("--from-json", help="report (tables, simulator, figures) from a saved paper-emulated.json instead of emulating")
+    parser.add_argument(
+        "--efficiency", default="measure",
+        help="what the simulator's links deliver with n senders into one: 'measure' (bench patterns' ring and all-to-all on the emulation's "
+             "links at every worker count, saved beside the results; with --from-json, the saved one if any), 'ideal', or 'senders:fraction,...'",
+    )
     args = parser.parse_args(argv)
     if args.worker:
         worker(json.loads(args.worker))
@@ -375,6 +413,7 @@ def main(argv=None) -> dict:
                     print(f"  {model} x{world} {impl}: {res['step_s'] * 1e3:.0f} ms", file=sys.stderr, flush=True)
         with open(os.path.join(args.out, "paper-emulated.json"), "w") as f:
             json.dump({f"{m}|{w}|{i}": {k: v for k, v in r.items() if k != "rank0"} | {"schemes": r["rank0"].get("schemes")} for (m, w, i), r in results.items()}, f)
+    efficiency = _efficiency(args, worlds, rate_bits) if args.simulate else None
     lines, summary = [], {}
     for model in args.models.split(","):
         single = results[(model, 1, "wfbp")]["step_s"] if (model, 1, "wfbp") in results else None
@@ -394,9 +433,9 @@ def main(argv=None) -> dict:
                 if r and single:
                     summary[f"speedup_{model}_{impl}_{world}w"] = round(world * single / r["step_s"], 2)
         lines.append("")
-    sim_error = mg_sim = None
+    sim_error = sim_error_ideal = mg_sim = None
     if args.simulate:
-        sim_lines, sim_error, mg_sim = simulate_beside(results, args, rate_bits)
+        sim_lines, sim_error, sim_error_ideal, mg_sim = simulate_beside(results, args, rate_bits, efficiency)
         lines += sim_lines
     paths = figures(args.out, results, args, rate_bits)
     lines += ["", f"Figures: {', '.join(paths)}" if paths else "Figures: skipped (matplotlib is not installed: pip install '.[bench]')"]
@@ -405,6 +444,8 @@ def main(argv=None) -> dict:
         "bench": "paper",
         "speedup_vgg19_22k_16w": summary.get("speedup_vgg19_22k_poseidon_16w"),
         "sim_vs_emulated_max_error": round(sim_error, 3) if sim_error is not None else None,
+        "sim_vs_emulated_max_error_ideal_links": round(sim_error_ideal, 3) if sim_error_ideal is not None else None,
+        "fan_in_efficiency": efficiency,
         "speedup_mgwfbp_vs_wfbp_64_sim": round(mg_sim, 3) if mg_sim is not None else None,
         "scale": args.scale,
         "dilation": args.dilation,

@@ -14,6 +14,10 @@ streams in three patterns, each repeat after a one-byte barrier:
 
 Every pattern moves 2 (P - 1) b / P each way per worker; the bound is that ÷ the rate. The figure is
 the median over repeats of the slowest rank (the first repeat is dropped: connection warm-up).
+
+``fan_in_efficiency`` turns the ring and the mesh into what the simulator's ``FlowEfficiency``
+takes: the fraction of its rate a link delivers with one sender into it (the ring) and with P - 1
+(the mesh), at each P asked; ``bench paper`` measures it on its emulation's links.
 """
 
 from __future__ import annotations
@@ -89,6 +93,43 @@ async def _worker(rank: int, world: int, pattern: str, slice_bytes: int, repeats
     return times
 
 
+def measure(world: int, rate: str, slice_bytes: int, repeats: int, patterns=PATTERNS) -> dict:
+    """``{pattern: seconds}``: each pattern once on ``world`` fresh namespaces capped at ``rate`` (tc
+    syntax), the median over ``repeats`` of the slowest rank (a first, warm-up repeat dropped)."""
+    from bench import netns
+
+    out = {}
+    for pattern in patterns:
+        with netns.hosts(world, rate) as names:
+            cfgs = [dict(rank=i, world=world, pattern=pattern, slice=slice_bytes, repeats=repeats + 1) for i in range(world)]
+            procs = [
+                subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "bench", "patterns", "--worker", json.dumps(c)], stdout=subprocess.PIPE, text=True)
+                for ns, c in zip(names, cfgs)
+            ]
+            per_rank = [json.loads(p.communicate(timeout=600)[0]) for p in procs]
+        out[pattern] = statistics.median(max(r[i] for r in per_rank) for i in range(1, repeats + 1))
+    return out
+
+
+def fan_in_efficiency(worlds, rate_bits: float, seconds: float = 1.0, repeats: int = 3) -> dict:
+    """``{senders: fraction of the rate delivered}`` on links capped at ``rate_bits``: from a ring
+    (one sender into each down-link; the median over ``worlds``) and an all-to-all (``mesh``: P - 1
+    senders) at each P of ``worlds`` above 2, each moving ``seconds`` of bytes a round; fraction =
+    the bound (bytes each way ÷ rate) ÷ the time. What ``sync.simulator.FlowEfficiency`` takes."""
+    rate = f"{rate_bits / 1e3:.0f}kbit"
+    ones, points = [], {}
+    for world in sorted({int(w) for w in worlds if int(w) >= 2}):
+        slice_bytes = max(1 << 16, int(rate_bits / 8 * seconds / (world - 1)))
+        bound = 2 * (world - 1) * slice_bytes / (rate_bits / 8)
+        times = measure(world, rate, slice_bytes, repeats, ("ring", "mesh") if world > 2 else ("ring",))
+        ones.append(min(1.0, bound / times["ring"]))
+        if world > 2:
+            points[world - 1] = round(min(1.0, bound / times["mesh"]), 3)
+    if ones:
+        points[1] = round(statistics.median(ones), 3)
+    return dict(sorted(points.items()))
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench patterns", description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -115,16 +156,8 @@ def main(argv=None) -> dict:
         bound = 2 * (world - 1) * slice_bytes / RATES[link]
         medians = {p: [] for p in PATTERNS}
         for _ in range(args.rounds):
-            for pattern in PATTERNS:
-                with netns.hosts(world, link) as names:
-                    cfgs = [dict(rank=i, world=world, pattern=pattern, slice=slice_bytes, repeats=args.repeats + 1) for i in range(world)]
-                    procs = [
-                        subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "bench", "patterns", "--worker", json.dumps(c)], stdout=subprocess.PIPE, text=True)
-                        for ns, c in zip(names, cfgs)
-                    ]
-                    per_rank = [json.loads(p.communicate(timeout=600)[0]) for p in procs]
-                steps = [max(r[i] for r in per_rank) for i in range(1, args.repeats + 1)]
-                medians[pattern].append(statistics.median(steps))
+            for pattern, seconds in measure(world, link, slice_bytes, args.repeats).items():
+                medians[pattern].append(seconds)
         lines += [
             f"{world} workers, {link}, {args.mib} MiB all-reduced each, plain asyncio sockets: seconds (median over {args.repeats} of the slowest rank, per round)",
             "",

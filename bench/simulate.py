@@ -51,7 +51,7 @@ import time
 
 from poseidon_aio.cluster.models import PAPER_BATCH, trace
 from poseidon_aio.sync.cost import PAPER_SCHEMES, Link, Scheme
-from poseidon_aio.sync.simulator import Simulator
+from poseidon_aio.sync.simulator import FlowEfficiency, Simulator
 from poseidon_aio.wire import Kind
 
 TITAN_X = 6e12  # FLOP/s a Titan X sustains on these models (its peak is 11 TFLOP/s)
@@ -78,8 +78,9 @@ def paper_startup(workers: int) -> float:
 # -- 1. speed-ups ------------------------------------------------------------------------------
 
 
-def scaling(models, workers, rate, alpha) -> dict:
-    """``{network: {model: {scheme label: {P: Iteration}}}}``."""
+def scaling(models, workers, rate, alpha, efficiency=None) -> dict:
+    """``{network: {model: {scheme label: {P: Iteration}}}}`` (``efficiency``: the simulator's
+    ``FlowEfficiency``, None for ideal links)."""
     out = {}
     for net, bandwidth in NETWORKS.items():
         link = Link.of_bandwidth(bandwidth, alpha)
@@ -88,7 +89,7 @@ def scaling(models, workers, rate, alpha) -> dict:
             tr = trace(model, PAPER_BATCH[model])
             rows = out[net][model] = {}
             for label, mode, extra in SCHEMES:
-                rows[label] = {p: Simulator(tr, p, rate=rate, link=link, mode=mode, **extra).run() for p in workers}
+                rows[label] = {p: Simulator(tr, p, rate=rate, link=link, mode=mode, efficiency=efficiency, **extra).run() for p in workers}
     return out
 
 
@@ -110,7 +111,7 @@ def scaling_tables(results, workers, rate) -> list:
     return lines
 
 
-def latency_sensitivity(results, models, rate, alpha, points) -> list:
+def latency_sensitivity(results, models, rate, alpha, points, efficiency=None) -> list:
     """The same start-up as latency in flight instead of sender time: the bounds of the model."""
     link = Link.of_bandwidth(NETWORKS["10GbE"], 0.0)
     lines = [
@@ -129,7 +130,7 @@ def latency_sensitivity(results, models, rate, alpha, points) -> list:
         for label, mode, extra in SCHEMES:
             cells = []
             for p in points:
-                lat = Simulator(tr, p, rate=rate, link=link, mode=mode, latency=alpha, **extra).run()
+                lat = Simulator(tr, p, rate=rate, link=link, mode=mode, latency=alpha, efficiency=efficiency, **extra).run()
                 cells += [f"{rows[label][p].speedup(one):.1f}", f"{lat.speedup(one):.1f}"]
             lines.append(f"| {model} | {label} | " + " | ".join(cells) + " |")
     return lines
@@ -445,15 +446,21 @@ def main(argv=None) -> dict:
     parser.add_argument("--alpha-us", type=float, default=ALPHA * 1e6, help="start-up per message for sections 1-3")
     parser.add_argument("--sweep", choices=("full", "quick", "none"), default="full", help="section 5's size")
     parser.add_argument("--out", default=os.path.join("bench", "out"), help="folder for the PNG figures")
+    parser.add_argument(
+        "--efficiency", default=None,
+        help="sections 1-3 on links that deliver a fraction of their rate with n senders into one, 'senders:fraction,...' "
+             "(measure yours with bench.patterns.fan_in_efficiency; default: ideal links)",
+    )
     a = parser.parse_args(argv)
     started = time.perf_counter()
     models = [m for m in a.models.split(",") if m]
     workers = [p for p in (2**i for i in range(11)) if p <= a.max_workers]
     rate, alpha = a.tflops * 1e12, a.alpha_us * 1e-6
-    results = scaling(models, workers, rate, alpha)
-    lines = [f"Simulated iteration (sync/simulator.py); start-up {a.alpha_us:g} us per message."]
+    efficiency = FlowEfficiency.parse(a.efficiency) if a.efficiency else None
+    results = scaling(models, workers, rate, alpha, efficiency)
+    lines = [f"Simulated iteration (sync/simulator.py); start-up {a.alpha_us:g} us per message; links {efficiency or 'ideal'}."]
     lines += scaling_tables(results, workers, rate)
-    lines += latency_sensitivity(results, models, rate, alpha, sorted({min(32, workers[-1]), workers[-1]}))
+    lines += latency_sensitivity(results, models, rate, alpha, sorted({min(32, workers[-1]), workers[-1]}), efficiency)
     switch_lines, switch = switch_points(results, "10GbE")
     lines += switch_lines
     p_breakdown = min(32, workers[-1])

@@ -8,6 +8,7 @@ deterministic, 1 worker = compute only), and the places where it is knowingly no
 from __future__ import annotations
 
 import doctest
+import json
 import math
 import os
 import subprocess
@@ -24,7 +25,7 @@ from poseidon_aio.cluster.models import PRESETS, trace, trace_of
 from poseidon_aio.errors import ConfigError
 from poseidon_aio.sync import simulator
 from poseidon_aio.sync.cost import PAPER_SCHEMES, LayerShape, Link, Scheme, layer_cost, predicted_time
-from poseidon_aio.sync.simulator import DDP_FIRST_BUCKET_BYTES, Simulator, simulate
+from poseidon_aio.sync.simulator import DDP_FIRST_BUCKET_BYTES, FlowEfficiency, Simulator, simulate
 from poseidon_aio.wire import Kind
 
 K = 32
@@ -114,6 +115,94 @@ def test_latency_is_paid_once_by_a_fan_out_and_at_every_step_of_a_ring():
     ring = run(fc_trace(M, N), 4, rate=RATE, link=Link(ALPHA, BETA), mode="ddp")
     ring_lat = run(fc_trace(M, N), 4, rate=RATE, link=Link(ALPHA, BETA), mode="ddp", latency=lat)
     assert ring_lat.time - ring.time == pytest.approx(2 * 3 * lat)
+
+
+# -- fan-in: what a down-link delivers with n senders at once --------------------------------------
+
+
+def test_a_shard_fed_by_three_workers_at_half_rate_by_hand():
+    # 4 nodes, no start-up. A push of n bytes from each of three workers into shard 0: every
+    # up-link n beta, the shard's down-link 3 n beta at half the rate (three senders): 6 n beta.
+    # Its reply, while the three other shards reply too: 3 n beta on its up-link, one copy after
+    # another; n beta / 0.5 on each worker's down-link: the up-link binds.
+    n, eff = 1 << 20, FlowEfficiency({1: 1.0, 3: 0.5})
+    links = simulator._Links(4, Link(0.0, BETA), None, efficiency=eff)
+    assert links.gather(0.0, 0, n, Kind.PUSH) == pytest.approx(6 * n * BETA, rel=1e-12)
+    at = 6 * n * BETA
+    replies = links.fan_out(at, 0, n, Kind.AGGREGATE, senders=3)
+    assert list(replies) == pytest.approx([at, at + 3 * n * BETA, at + 3 * n * BETA, at + 3 * n * BETA], rel=1e-12)
+    assert list(links.down) == pytest.approx([6 * n * BETA] + [at + 2 * n * BETA] * 3, rel=1e-12)
+    ideal = simulator._Links(4, Link(0.0, BETA), None)
+    assert ideal.gather(0.0, 0, n, Kind.PUSH) == pytest.approx(3 * n * BETA, rel=1e-12)
+
+
+def test_the_ps_slows_with_its_fan_in_where_the_link_binds():
+    ideal = run(fc_trace(M, N), 8, rate=RATE, link=Link(ALPHA, BETA), mode="naive")
+    lossy = run(fc_trace(M, N), 8, rate=RATE, link=Link(ALPHA, BETA), mode="naive", efficiency=FlowEfficiency({1: 1.0, 7: 0.5}))
+    assert lossy.link_bytes == ideal.link_bytes  # the same bytes, delivered slower
+    assert 1.5 < lossy.exposed / ideal.exposed <= 2.0
+
+
+def test_a_ring_and_ddp_pay_the_one_sender_efficiency_at_every_step_by_hand():
+    eff = FlowEfficiency({1: 0.8, 3: 0.1})  # a ring feeds each down-link from one sender only
+    ring = run(fc_trace(M, N), 4, rate=RATE, link=Link(ALPHA, BETA), mode="poseidon", hybcomm=("allreduce",), merge="none", efficiency=eff)
+    ddp = run(fc_trace(M, N), 4, rate=RATE, link=Link(ALPHA, BETA), mode="ddp", efficiency=eff)
+    # Every step: the up-link's alpha + B/4 beta, or the down-link's B/4 beta / 0.8, which binds here.
+    assert ring.time == pytest.approx(3 * T_F + 6 * max(ALPHA + B / 4 * BETA, B / 4 * BETA / 0.8), rel=1e-12)
+    assert ddp.time == pytest.approx(ring.time, rel=1e-12)
+
+
+def test_an_sfb_exchange_is_fed_by_every_peer_by_hand():
+    eff = FlowEfficiency({1: 1.0, 3: 0.5})
+    it = run(fc_trace(M, N), 4, rate=RATE, link=Link(ALPHA, BETA), mode="poseidon", hybcomm=("sfb",), merge="none", efficiency=eff)
+    size = 4 * K * (M + N)
+    # Each worker's up-link: 3 (alpha + size beta); its down-link: 3 size beta / 0.5, which binds.
+    assert it.time == pytest.approx(T_F + 3 * size * BETA / 0.5 + 2 * 4 * K * M * N / RATE, rel=1e-12)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    data=st.data(),
+    p=st.sampled_from([2, 3, 5, 8, 33]),
+    mode=st.sampled_from([("naive", {}), ("wfbp", {}), ("ddp", {}), ("poseidon", {"merge": "none", "hybcomm": ("allreduce",)})]),
+)
+def test_an_ideal_efficiency_changes_nothing(data, p, mode):
+    tr = _random_trace(data.draw)
+    name, extra = mode
+    base = run(tr, p, rate=1e12, link=Link(1e-5, 1e-9), mode=name, chunk_bytes=64 << 10, **extra)
+    same = run(tr, p, rate=1e12, link=Link(1e-5, 1e-9), mode=name, chunk_bytes=64 << 10, efficiency=FlowEfficiency({1: 1.0, 7: 1.0}), **extra)
+    assert same == base
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    data=st.data(),
+    p=st.sampled_from([2, 3, 5, 8, 33]),
+    mode=st.sampled_from([("naive", {}), ("ddp", {}), ("poseidon", {"merge": "none", "hybcomm": ("allreduce",)})]),
+    one=st.sampled_from([0.5, 0.9, 1.0]),
+    many=st.sampled_from([0.3, 0.7, 1.0]),
+)
+def test_a_lossier_link_is_never_faster(data, p, mode, one, many):
+    # As more bandwidth (test_more_bandwidth_...): where FIFO order cannot change, a down-link
+    # that delivers less can only delay.
+    tr = _random_trace(data.draw)
+    name, extra = mode
+    at = lambda eff=None: run(tr, p, rate=1e12, link=Link(1e-5, 1e-9), mode=name, chunk_bytes=64 << 10, efficiency=eff, **extra).time  # noqa: E731
+    assert at(FlowEfficiency({1: one, max(2, p - 1): min(one, many)})) >= at() * (1 - 1e-12)
+
+
+def test_flow_efficiency_interpolates_and_rejects_what_is_not_a_fraction():
+    eff = FlowEfficiency.parse("1:0.96, 3:0.9,15:0.66")
+    assert eff.points == {1: 0.96, 3: 0.9, 15: 0.66}
+    assert (eff(1), eff(2), eff(15), eff(100)) == (0.96, pytest.approx(0.93), 0.66, 0.66)
+    assert FlowEfficiency().ideal and not eff.ideal
+    for bad in ({0: 0.9}, {1: 0.0}, {1: 1.5}, {1.5: 0.9}, {1: True}):
+        with pytest.raises(ConfigError, match="efficiency"):
+            FlowEfficiency(bad)
+    with pytest.raises(ConfigError, match="senders:fraction"):
+        FlowEfficiency.parse("1=0.9")
+    with pytest.raises(ConfigError, match="FlowEfficiency"):
+        Simulator(trace("resnet50"), 2, rate=1e12, link=TEN_GBE, efficiency={1: 0.9})
 
 
 # -- agreement with the closed-form cost model (ATC'17 Table 1) ----------------------------------
@@ -413,3 +502,23 @@ def test_bench_paper_scales_a_layer_s_matrix_and_its_factors_by_the_same_factor(
         elif math.prod(shapes[0]) > 1 << 16:
             assert math.prod(shapes[0]) / math.prod(shapes2[0]) == pytest.approx(16, rel=0.01)
     assert fc == 3
+
+
+def test_bench_paper_reports_saved_results_on_ideal_links_and_with_the_saved_fan_in(monkeypatch, capsys, tmp_path):
+    # The report alone (no namespaces): the simulator beside each emulated point, both ways, and
+    # the JSON's max error from the links that lose what the emulated ones lost.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench import paper
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    emulated = {"inception_v3|1|wfbp": {"step_s": 0.273}, "inception_v3|4|naive": {"step_s": 0.433}}
+    (tmp_path / "paper-emulated.json").write_text(json.dumps(emulated))
+    (tmp_path / "paper-efficiency.json").write_text(json.dumps({"1": 0.95, "3": 0.8}))
+    args = ["--from-json", str(tmp_path / "paper-emulated.json"), "--models", "inception_v3", "--workers", "1,4", "--out", str(tmp_path)]
+    out = paper.main(args)
+    printed = capsys.readouterr().out
+    assert "| simulated, ideal links | error | simulated, measured fan-in | error |" in printed
+    assert out["fan_in_efficiency"] == {1: 0.95, 3: 0.8}
+    assert out["sim_vs_emulated_max_error"] != out["sim_vs_emulated_max_error_ideal_links"]
+    ideal = paper.main([*args, "--efficiency", "ideal"])
+    assert ideal["fan_in_efficiency"] is None and ideal["sim_vs_emulated_max_error"] == out["sim_vs_emulated_max_error_ideal_links"]

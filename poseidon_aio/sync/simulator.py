@@ -44,7 +44,16 @@ delivery: messages sent together overlap it, a chain of them (a ring's steps) pa
 By default all of a message's start-up is ``alpha``, which occupies its sender's up-link (what
 ``bench mgwfbp``'s shaper emulates): pessimistic for fan-outs, whose latencies really overlap.
 
-What it ignores: TCP dynamics (slow start, losses, incast collapse), CPU contention between the
+Fan-in (``efficiency``, ideal by default). A down-link fed by ``n`` senders at once may deliver
+less than its rate: TCP streams converging on one capped link overflow its queue and back off
+(incast). :class:`FlowEfficiency` is that loss as measured (``bench patterns``: a ring's one flow
+each way, an all-to-all's P - 1), the fraction of its rate a down-link delivers with ``n``
+senders; a delivery then takes ``bytes * beta / efficiency(n)`` of its down-link, ``n`` being the
+pattern's senders into it: P - 1 for a shard's pushes, an SFB exchange or a direct all-reduce's
+parts, the shards a PS message spans for a worker's replies, one for a ring's step and DDP's.
+
+What it ignores: TCP dynamics (slow start, losses, incast collapse: unless ``efficiency`` states
+what they cost), CPU contention between the
 compute thread, the event loop and the shard, the shard's summation and the owner's reduction
 (memory-bound, milliseconds where the network takes tens), the trainer's priority order among
 frames waiting for the link (FIFO here), stragglers. A down-link serves messages in the order
@@ -130,6 +139,52 @@ class Iteration:
         return self.workers * single.time / self.time
 
 
+class FlowEfficiency:
+    """The fraction of its rate a down-link delivers when ``n`` senders feed it at once.
+
+    Built from measured points ``{n: fraction}`` (``bench patterns``: a ring's one sender, an
+    all-to-all's P - 1); linear between them, the nearest point's value outside them (beyond the
+    largest fan-in measured the loss stays what it was there: measure the fan-in you plan for).
+    ``FlowEfficiency()`` is the ideal link: 1 for every ``n``.
+
+    Raises:
+        ConfigError: a fan-in below 1 or a fraction outside (0, 1].
+
+    >>> eff = FlowEfficiency({1: 0.95, 15: 0.65})
+    >>> eff(1), round(eff(8), 3), eff(31)
+    (0.95, 0.8, 0.65)
+    """
+
+    def __init__(self, points: Optional[dict] = None) -> None:
+        points = dict(points or {1: 1.0})
+        for n, fraction in points.items():
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+                raise ConfigError(f"efficiency: a fan-in is a whole number of senders >= 1, got {n!r}")
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+                raise ConfigError(f"efficiency: the fraction of the rate delivered with {n} senders must be in (0, 1], got {fraction!r}")
+        self.points = {int(n): float(f) for n, f in sorted(points.items())}
+        self._n = np.array(list(self.points), dtype=float)
+        self._f = np.array(list(self.points.values()))
+        self.ideal = bool((self._f == 1.0).all())
+
+    @classmethod
+    def parse(cls, text: str) -> "FlowEfficiency":
+        """``"1:0.95,15:0.66"`` (senders:fraction, comma-separated) as a :class:`FlowEfficiency`."""
+        try:
+            points = {int(n): float(f) for n, f in (item.split(":") for item in text.split(",") if item.strip())}
+        except ValueError:
+            raise ConfigError(f"efficiency: expected 'senders:fraction,...' (e.g. '1:0.95,15:0.66'), got {text!r}") from None
+        return cls(points)
+
+    def __call__(self, senders):
+        """The fraction for ``senders`` (a number, or an array of them: an array back)."""
+        out = np.interp(np.maximum(senders, 1), self._n, self._f)
+        return float(out) if np.ndim(out) == 0 else out
+
+    def __repr__(self) -> str:
+        return f"FlowEfficiency({self.points})"
+
+
 class _Links:
     """The P nodes' up- and down-links as FIFO servers, one vector each (see the module doc).
 
@@ -137,12 +192,15 @@ class _Links:
     operation's: the event loop runs in time order) and returns when they are delivered.
     """
 
-    def __init__(self, nodes: int, link: Link, costed: Optional[frozenset], ingress: bool = True, latency: float = 0.0) -> None:
+    def __init__(
+        self, nodes: int, link: Link, costed: Optional[frozenset], ingress: bool = True, latency: float = 0.0, efficiency: Optional[FlowEfficiency] = None
+    ) -> None:
         self.nodes = nodes
         self.alpha, self.beta = link.alpha, link.beta
         self.latency = latency  # in flight, occupying no link: added to every delivery
         # Without ingress, a down-link never limits (an egress-only shaper, as bench mgwfbp has).
         self.beta_in = link.beta if ingress else 0.0
+        self.efficiency = efficiency if efficiency is not None else FlowEfficiency()
         self.costed = costed
         self.up = np.zeros(nodes)
         self.down = np.zeros(nodes)
@@ -152,6 +210,10 @@ class _Links:
 
     def startup(self, kind: Kind) -> float:
         return self.alpha if self.costed is None or kind in self.costed else 0.0
+
+    def beta_down(self, senders):
+        """Seconds a byte takes a down-link that ``senders`` feed at once (a number or an array)."""
+        return self.beta_in if self.efficiency.ideal else self.beta_in / self.efficiency(senders)
 
     def gather(self, t: float, dest: int, nbytes: int, kind: Kind) -> float:
         """Every node but ``dest`` sends it one message of ``nbytes``: when the last is in."""
@@ -163,7 +225,7 @@ class _Links:
         self.up[dest] = -math.inf
         last = float(self.up.max())
         self.up[dest] = keep
-        self.down[dest] = max(t, self.down[dest]) + (self.nodes - 1) * nbytes * self.beta_in
+        self.down[dest] = max(t, self.down[dest]) + (self.nodes - 1) * nbytes * self.beta_down(self.nodes - 1)
         self.up_bytes += nbytes
         self.up_bytes[dest] -= nbytes
         self.sent += 1
@@ -171,8 +233,9 @@ class _Links:
         self.down_bytes[dest] += (self.nodes - 1) * nbytes
         return max(last, float(self.down[dest])) + self.latency
 
-    def fan_out(self, t: float, src: int, nbytes: int, kind: Kind) -> np.ndarray:
-        """``src`` sends one message of ``nbytes`` to every other node (a shard's reply).
+    def fan_out(self, t: float, src: int, nbytes: int, kind: Kind, senders: int = 1) -> np.ndarray:
+        """``src`` sends one message of ``nbytes`` to every other node (a shard's reply), while
+        ``senders`` nodes in all do the same (the shards one PS message spans).
 
         Returns when each node has it (``src`` itself: ``t``).
         """
@@ -184,7 +247,7 @@ class _Links:
         self.sent[src] += self.nodes - 1
         keep = self.down[src]
         np.maximum(self.down, t, out=self.down)
-        self.down += nbytes * self.beta_in
+        self.down += nbytes * self.beta_down(senders)
         self.down[src] = keep
         self.down_bytes += nbytes
         self.down_bytes[src] -= nbytes
@@ -208,7 +271,9 @@ class _Links:
         incoming = np.full(self.nodes, float(nbytes.sum()))
         incoming[srcs] -= nbytes
         receiving = incoming > 0
-        self.down[receiving] = np.maximum(self.down[receiving], t) + incoming[receiving] * self.beta_in
+        senders = np.full(self.nodes, len(srcs))
+        senders[srcs] -= 1  # a source does not feed its own down-link
+        self.down[receiving] = np.maximum(self.down[receiving], t) + incoming[receiving] * self.beta_down(senders[receiving])
         self.down_bytes += incoming
         out[receiving] = np.maximum(self.down[receiving], _max_of_others(ends, srcs, self.nodes)[receiving]) + self.latency
         return out
@@ -218,7 +283,7 @@ class _Links:
         np.maximum(self.up, t, out=self.up)
         self.up += count * self.startup(kind) + nbytes * self.beta
         np.maximum(self.down, t, out=self.down)
-        self.down += nbytes * self.beta_in
+        self.down += nbytes * self.beta_down(1)
         self.up_bytes += nbytes
         self.down_bytes += nbytes
         self.sent += count
@@ -240,7 +305,8 @@ class _Links:
         self.sent += int(count.sum()) - count
         incoming = (self.nodes - 1) * nbytes
         receiving = incoming > 0
-        self.down[receiving] = np.maximum(self.down[receiving], t) + incoming[receiving] * self.beta_in
+        feeding = int(sending.sum()) - sending  # every sender but the node itself
+        self.down[receiving] = np.maximum(self.down[receiving], t) + incoming[receiving] * self.beta_down(feeding[receiving])
         self.down_bytes += incoming
         senders = np.flatnonzero(sending)
         if len(senders):
@@ -359,11 +425,12 @@ class _Simulation:
     # -- PS -------------------------------------------------------------------------------------
 
     def ps(self, t: float, unit: int, messages: list) -> None:
+        shards = len({shard for shard, _ in messages})  # they reply to every worker at once
         for shard, nbytes in messages:  # pushed one after another, in message order
-            self.at(self.links.gather(t, shard, nbytes, Kind.PUSH), self._reply, unit, shard, nbytes)
+            self.at(self.links.gather(t, shard, nbytes, Kind.PUSH), self._reply, unit, shard, nbytes, shards)
 
-    def _reply(self, t: float, unit: int, shard: int, nbytes: int) -> None:
-        self._finish(unit, self.links.fan_out(t, shard, nbytes, Kind.AGGREGATE))
+    def _reply(self, t: float, unit: int, shard: int, nbytes: int, shards: int) -> None:
+        self._finish(unit, self.links.fan_out(t, shard, nbytes, Kind.AGGREGATE, senders=min(shards, self.P - 1)))
 
     # -- all-reduce -----------------------------------------------------------------------------
 
@@ -417,7 +484,9 @@ class _Simulation:
             share = nbytes / self.P
             steps = 2 * (self.P - 1)
             # Each step waits for the previous one's chunk: latency is paid 2 (P - 1) times.
-            free = max(free, ready) + steps * (step_startup + share * self.links.beta + self.links.latency)
+            # A step: its up-link's start-up and bytes, or one sender's bytes into a down-link.
+            step = max(step_startup + share * self.links.beta, share * self.links.beta_down(1))
+            free = max(free, ready) + steps * (step + self.links.latency)
             self.links.up_bytes += steps * share
             self.links.down_bytes += steps * share
             self.links.sent += steps
@@ -480,6 +549,8 @@ class Simulator:
         chunk_bytes: the PS's key-value pair size and all-reduce's chunk (the trainer's 2 MiB).
         allreduce: the all-reduce algorithm, ``"auto"``, ``"ring"`` or ``"direct"`` (``PSConfig.allreduce``).
         rows: K, the rows of each FC layer's factors (default: the trace's batch).
+        efficiency: :class:`FlowEfficiency`, what a down-link delivers with ``n`` senders at once
+            (default: all of its rate, however many).
     Raises:
         ConfigError: a number out of range, an unknown mode or scheme, an empty trace.
 
@@ -505,6 +576,7 @@ class Simulator:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         allreduce: str = "auto",
         rows: Optional[int] = None,
+        efficiency: Optional[FlowEfficiency] = None,
     ) -> None:
         if not isinstance(trace, Trace):
             raise ConfigError("the simulator takes a Trace: cluster.models.trace(name, batch) or trace_of(model, layers, batch)")
@@ -536,7 +608,9 @@ class Simulator:
         self.chunk_bytes = chunk_bytes
         self.allreduce = allreduce
         self.rows = trace.batch if rows is None else int(rows)
-        self.net = (link, costed, bool(ingress), float(latency))
+        if efficiency is not None and not isinstance(efficiency, FlowEfficiency):
+            raise ConfigError(f"efficiency must be a FlowEfficiency (e.g. FlowEfficiency({{1: 0.95, 15: 0.66}})), got {efficiency!r}")
+        self.net = (link, costed, bool(ingress), float(latency), efficiency)
         self.layers = _layers(trace, self.rows, self.rate)
         self.calibration = _calibration(self.net) if self.workers > 1 else []
         if self.workers > 1 and mode != DDP:
