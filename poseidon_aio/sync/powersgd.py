@@ -35,6 +35,7 @@ class PowerSGDSyncer(LossySyncer, Syncer):
     # MG-WFBP may merge consecutive PowerSGD layers: one P and one Q all-reduce for the group (as
     # DDP's hook does per bucket), the state still per layer (``PowerSGDStep``'s members).
     mergeable = True
+    rounds = 2  # P, then Q from it: a message starts up twice
 
     async def _sync(self, bucket, clock: int) -> SyncResult:
         step = PowerSGDStep(bucket.label, bucket.grads, self.config.rank, self.feedback, bucket.members)

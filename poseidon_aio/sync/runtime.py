@@ -28,6 +28,7 @@ from ..errors import ConfigError, SyncTimeout
 from ..wire import Kind
 from .cost import Link, Scheme
 from .mgwfbp import CommModel, fit, merge_plan, optimal_plan, single_plan
+from .syncer import syncer_class
 
 CALIBRATION_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 # Mesh frames of the calibration: keys no layer reaches, clocks far past any training clock.
@@ -265,8 +266,8 @@ class MergeRuntime:
         # taken from the compute, and it is what merging saves: on 2 cores with 2 workers a
         # ResNet-20's 31 messages took ~1 ms of the loop's CPU each against a 0.13 ms round trip
         # idle. (The syncs' own durations cannot tell: they include waiting for slower peers.)
-        # PowerSGD's message is two all-reduces one after the other (P, then Q from it): two rounds.
-        a = round_trip.a * (2 if self.scheme is Scheme.POWERSGD else 1)
+        # A message of a scheme whose sync runs rounds one after the other starts up that often.
+        a = round_trip.a * syncer_class(self.scheme).rounds
         # (a job's first step starts the parameter server and faults its buffers in: not a
         # message's cost)
         cpu, serial = (xs[1:] if len(xs) > 1 else xs for xs in (self._samples.cpu, self._samples.serial))

@@ -8,6 +8,8 @@ says, as class attributes, what it needs of the layers above and below it:
 * ``factored``: the parameter server rebuilds them from sufficient factors (Project Adam);
 * ``captures_factors``: the backward hooks keep the layer's ``(u, v)``, not its weight gradient;
 * ``mergeable``: MG-WFBP may merge consecutive layers' buckets into one (:class:`Merging`);
+* ``rounds``: the rounds of messages a bucket's sync runs one after the other (PowerSGD: P, then
+  Q from it); MG-WFBP charges a message that many start-ups;
 * ``host_outs``: the results arrive over the wire into host buffers (the trainer copies them to
   a GPU tensor afterwards); a scheme that computes them (SFB's reconstruction) gets the tensors.
 
@@ -82,6 +84,7 @@ class Syncer(abc.ABC):
     factored: ClassVar[bool] = False
     captures_factors: ClassVar[bool] = False
     mergeable: ClassVar[bool] = False
+    rounds: ClassVar[int] = 1
     host_outs: ClassVar[bool] = True
 
     @classmethod
