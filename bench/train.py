@@ -169,11 +169,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=1, help="runs of every implementation per row, interleaved; the row is their median, its speedup the median of the repeats' ratios (min–max shown)")
-    parser.add_argument("--warmup", type=int, default=13, help="untimed steps (merging is planned after 3, then up to 3 plans tried for 3 steps each)")
+    parser.add_argument("--warmup", type=int, default=16, help="untimed steps (merging is planned after 3, then up to 4 plans tried for 3 steps each)")
     parser.add_argument("--device-tflops", type=float, default=6.0, help="replayed device rate, TFLOP/s")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--allreduce", default="auto", choices=("auto", "ring", "direct"), help="PSConfig.allreduce for our runs")
-    parser.add_argument("--merge", default=None, choices=("none", "algorithm1", "optimal", "best", "single"), help="MergeConfig.kind for our runs (default: the trainer's)")
+    parser.add_argument("--merge", default=None, choices=("none", "algorithm1", "optimal", "best", "single", "buckets"), help="MergeConfig.kind for our runs (default: the trainer's)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from poseidon_aio.errors import ConfigError
 from poseidon_aio.sync import MergeConfig
 from poseidon_aio.sync.cost import Scheme
-from poseidon_aio.sync.mgwfbp import CommModel, fit, groups_of, iteration_time, merge_plan, optimal_plan, timeline, with_launches
+from poseidon_aio.sync.mgwfbp import CommModel, bucket_plan, fit, groups_of, iteration_time, merge_plan, optimal_plan, timeline, with_launches
 
 
 def test_case_1_communication_hidden_nothing_merged():
@@ -241,12 +241,48 @@ def test_best_plans_with_both_planners_and_one_message_and_lists_each_distinct_p
     for sizes in ([3e4] * 12, [1e3, 4e5, 2e3, 8e5, 1e3, 3e4, 5e5, 1e3, 2e4, 9e5, 1e3, 1e4]):
         for serial in (0.0, 2e-3):
             best = plans("best", sizes, serial)
-            greedy, exact = (plans(k, sizes, serial)["groups"] for k in ("algorithm1", "optimal"))
+            greedy, exact, buckets = (plans(k, sizes, serial)["groups"] for k in ("algorithm1", "optimal", "buckets"))
             single = [[f"l{i}" for i in layers]]
-            want = [("algorithm1", greedy), ("optimal", exact), ("single", single)]
+            want = [("algorithm1", greedy), ("optimal", exact), ("single", single), ("buckets", buckets)]
             want = [(name, g) for i, (name, g) in enumerate(want) if all(g != other for _, other in want[:i])]
             assert best["groups"] == greedy and best["planner"] == "algorithm1"
             assert [(c["planner"], c["groups"]) for c in best["candidates"]] == want
+
+
+def test_bucket_plan_fills_ddp_s_buckets_from_the_output_by_hand():
+    model = CommModel(a=1e-3, b=1e-9)
+    # From the output (layer 5): 0.6 MB, then 0.6 -> 1.2 MB reaches the 1 MiB first bucket; then
+    # 25 MiB buckets: 3 + 30 reaches it; layer 1 alone.
+    sizes = [0.5e6, 30e6, 3e6, 0.6e6, 0.6e6]
+    plan = bucket_plan(0.0, [1e-3] * 5, sizes, model)
+    assert plan.groups == ((1,), (2, 3), (4, 5))
+    assert plan.t_iter == iteration_time(0.0, [1e-3] * 5, sizes, model, plan.groups)
+    assert bucket_plan(0.0, [1e-3] * 5, sizes, model, first_bytes=1, bucket_bytes=1).groups == tuple((l,) for l in range(1, 6))
+    assert bucket_plan(0.0, [1e-3] * 5, sizes, model, first_bytes=1e9, bucket_bytes=1e9).groups == ((1, 2, 3, 4, 5),)
+    with pytest.raises(ConfigError, match="positive"):
+        bucket_plan(0.0, [1e-3], [1.0], model, bucket_bytes=0)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(sizes=st.lists(st.integers(1, 1 << 22), min_size=1, max_size=40), first=st.integers(1, 1 << 21), then=st.integers(1, 1 << 23))
+def test_bucket_plan_partitions_the_layers_and_every_bucket_but_the_input_side_one_reaches_its_cap(sizes, first, then):
+    groups = bucket_plan(0.0, [1e-4] * len(sizes), sizes, CommModel(1e-4, 1e-9), first_bytes=first, bucket_bytes=then).groups
+    assert [l for g in groups for l in g] == list(range(1, len(sizes) + 1))
+    assert all(list(g) == list(range(g[0], g[-1] + 1)) for g in groups)
+    for k, g in enumerate(reversed(groups)):  # from the output, as DDP fills them
+        total = sum(sizes[l - 1] for l in g)
+        cap = first if k == 0 else then
+        if k < len(groups) - 1:
+            assert total >= cap and total - sizes[min(g) - 1] < cap  # its last layer closed it
+        else:
+            assert total - sizes[min(g) - 1] < cap
+
+
+def test_merge_config_rejects_bad_bucket_sizes():
+    for bad in ((0, 1), (1, -5), (1,), "big"):
+        with pytest.raises(ConfigError, match="bucket_bytes"):
+            MergeConfig(bucket_bytes=bad)
+    assert MergeConfig(bucket_bytes=(65536.0, 1 << 20)).bucket_bytes == (65536, 1 << 20)
 
 
 def test_merge_config_rejects_a_negative_trial():

@@ -259,6 +259,32 @@ def single_plan(t_f: float, t_b: Sequence[float], sizes: Sequence[float], model:
     return _plan_of(t_f, t_b, sizes, model, (tuple(range(1, len(t_b) + 1)),))
 
 
+def bucket_plan(
+    t_f: float, t_b: Sequence[float], sizes: Sequence[float], model: CommModel, first_bytes: float = 1 << 20, bucket_bytes: float = 25 << 20
+) -> MergePlan:
+    """DistributedDataParallel's buckets as a plan beside the planners': layers in backward order
+    (from the output) fill a bucket until its bytes reach ``first_bytes`` for the first bucket,
+    ``bucket_bytes`` after (DDP's 1 MiB and ``bucket_cap_mb=25``); the layer that reaches the cap
+    closes its bucket. It needs no timeline: where the planners' model is off (a ring's steps in a
+    row on a host whose cores the workers share), it is a plan known to overlap the backward.
+
+    >>> bucket_plan(0.0, [1e-4] * 4, [600e3] * 4, CommModel(a=1e-3, b=1e-9)).groups
+    ((1, 2), (3, 4))
+    """
+    if first_bytes <= 0 or bucket_bytes <= 0:
+        raise ConfigError(f"bucket sizes must be positive, got first {first_bytes} and then {bucket_bytes} bytes")
+    groups, current, filled, cap = [], [], 0.0, first_bytes
+    for l in range(len(t_b), 0, -1):
+        current.append(l)
+        filled += sizes[l - 1]
+        if filled >= cap:
+            groups.append(tuple(sorted(current)))
+            current, filled, cap = [], 0.0, bucket_bytes
+    if current:
+        groups.append(tuple(sorted(current)))
+    return _plan_of(t_f, t_b, sizes, model, tuple(sorted(groups)))
+
+
 def _plan_of(t_f: float, t_b: Sequence[float], sizes: Sequence[float], model: CommModel, groups: tuple) -> MergePlan:
     L = len(t_b)
     merged = tuple(sorted(l for g in groups for l in g[1:]))

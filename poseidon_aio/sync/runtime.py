@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import ConfigError, SyncTimeout
 from ..wire import Kind
 from .cost import Link, Scheme
-from .mgwfbp import CommModel, fit, merge_plan, optimal_plan, single_plan
+from .mgwfbp import CommModel, bucket_plan, fit, merge_plan, optimal_plan, single_plan
 from .syncer import syncer_class
 
 CALIBRATION_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
@@ -40,13 +40,16 @@ class MergeKind(str, enum.Enum):
     NONE = "none"  # every layer its own message
     ALGORITHM1 = "algorithm1"  # MG-WFBP's greedy Algorithm 1
     OPTIMAL = "optimal"  # the exact O(L^2) dynamic program over the same timeline
-    # Both planners' plans and one message after the backward, each tried on the job, the fastest
-    # kept (Algorithm 1's on a tie and without a trial). The exact plan is exact on the planners'
+    # Both planners' plans, one message after the backward and DDP's buckets, each tried on the
+    # job, the fastest kept (Algorithm 1's on a tie and without a trial). DDP's buckets are there
+    # because a plan the model did not make can still win on the job: ResNet-152 at 8 emulated
+    # workers on 2 cores ran every planned merge slower than one message a layer, and DDP faster. The exact plan is exact on the planners'
     # model only: simulated, it lost to Algorithm 1's in 330 of 2 000 cases and won in 354, and a
     # ring all-reduce's 2 (P - 1) start-ups a message, which the model charges as two, make one
     # message beat both plans from 128 workers on (bench/RESULTS.md); the job's step times decide.
     BEST = "best"
     SINGLE = "single"  # every PS layer in one message after the backward (SyncEASGD)
+    BUCKETS = "buckets"  # DistributedDataParallel's buckets: 1 MiB first, then 25 MiB, from the output
 
 
 @dataclass
@@ -56,19 +59,23 @@ class MergeConfig:
     Args:
         kind: the planner; ``None`` picks ``best`` in modes ``mgwfbp`` and ``poseidon``,
             ``none`` otherwise. ``algorithm1`` is the paper's (MG-WFBP), ``optimal`` the exact
-            planner, ``best`` tries both and one message after the backward, and keeps the fastest.
+            planner, ``buckets`` DDP's buckets (``bucket_bytes``), ``best`` tries both planners,
+            one message after the backward and DDP's buckets, and keeps the fastest.
         after: measured steps before the plan is made.
         calibration_sizes: message sizes (bytes) timed at start-up to fit alpha and beta.
         trial: steps a plan that merges runs before it is judged against the warm-up's steps
             (one message per layer); it is kept only if the job's step got faster. With ``best``
             each distinct plan has its trial, one after the other. 0 keeps every plan untried
             (the paper's runtime; ``best`` then keeps Algorithm 1's).
+        bucket_bytes: ``(first, then)``: the bucket sizes of the ``buckets`` plan, DDP's 1 MiB and
+            25 MiB by default (a bench that scales a model's bytes scales these too).
     """
 
     kind: Optional[MergeKind] = None
     after: int = 3
     calibration_sizes: tuple = CALIBRATION_SIZES
     trial: int = 3
+    bucket_bytes: tuple = (1 << 20, 25 << 20)
 
     def __post_init__(self) -> None:
         if self.kind is not None:
@@ -81,13 +88,20 @@ class MergeConfig:
         if self.trial < 0:
             raise ConfigError("MergeConfig.trial must be >= 0 steps (0: keep the plan untried)")
         self.calibration_sizes = tuple(int(s) for s in self.calibration_sizes)
+        try:
+            first, then = (int(b) for b in self.bucket_bytes)
+        except (TypeError, ValueError):
+            raise ConfigError(f"MergeConfig.bucket_bytes is (first, then) in bytes, got {self.bucket_bytes!r}") from None
+        if first < 1 or then < 1:
+            raise ConfigError(f"MergeConfig.bucket_bytes must be positive byte counts, got {self.bucket_bytes!r}")
+        self.bucket_bytes = (first, then)
         if self.planned and len(self.calibration_sizes) < 2:
             raise ConfigError("MergeConfig.calibration_sizes needs two sizes or more to fit alpha and beta")
 
     @property
     def planned(self) -> bool:
         """Whether a plan is made from measurements (Algorithm 1 or the exact planner)."""
-        return self.kind in (MergeKind.ALGORITHM1, MergeKind.OPTIMAL, MergeKind.BEST)
+        return self.kind in (MergeKind.ALGORITHM1, MergeKind.OPTIMAL, MergeKind.BEST, MergeKind.BUCKETS)
 
 
 @dataclass
@@ -281,7 +295,7 @@ class MergeRuntime:
         """Rank 0's plan from its measurements: ``{"groups": [[name, ...], ...], ...}``, with
         ``"candidates"``: each planner's distinct plan (``{"planner", "groups", "predicted_s"}``),
         the first being ``"groups"``'s (Algorithm 1's where it is one of them); ``best`` adds one
-        message of every layer (``"single"``)."""
+        message of every layer (``"single"``) and DDP's buckets (``"buckets"``)."""
         median = lambda xs: float(statistics.median(xs)) if xs else 0.0  # noqa: E731
         model = self.comm_model()
         t_b = [median(self._samples.backward.get(layer, [])) for layer in layers]
@@ -289,9 +303,11 @@ class MergeRuntime:
         # backward: what those took from it is in the measured time, and the plan puts back what
         # its own messages take (mgwfbp.with_launches).
         t_b = [max(0.0, t - model.serial) for t in t_b[:-1]] + t_b[-1:]
-        planners = {MergeKind.ALGORITHM1: [("algorithm1", merge_plan)], MergeKind.OPTIMAL: [("optimal", optimal_plan)]}.get(
-            self.config.kind, [("algorithm1", merge_plan), ("optimal", optimal_plan), ("single", single_plan)]
-        )
+        first, then = self.config.bucket_bytes
+        buckets = lambda *args: bucket_plan(*args, first_bytes=first, bucket_bytes=then)  # noqa: E731
+        planners = {
+            MergeKind.ALGORITHM1: [("algorithm1", merge_plan)], MergeKind.OPTIMAL: [("optimal", optimal_plan)], MergeKind.BUCKETS: [("buckets", buckets)],
+        }.get(self.config.kind, [("algorithm1", merge_plan), ("optimal", optimal_plan), ("single", single_plan), ("buckets", buckets)])
         candidates = []
         for name, planner in planners:
             plan = planner(median(self._samples.forward), t_b, sizes, model)
