@@ -12,7 +12,8 @@ behind tc tbf (both directions), gloo capped exactly like us.
 
 Cases: one 64 MiB tensor; VGG19's 38 parameter tensors (143.7 M floats, 575 MB per worker); the
 transformer of ``bench train`` (32 tensors, 0.66 M floats: many small ones); a chunk-size sweep
-(256 KiB to 16 MiB) on the 64 MiB tensor (loopback). Then the shard-load table for VGG19: our
+(256 KiB to 16 MiB) on the 64 MiB tensor (loopback); with ``--bucket-sweep``, the transformer as
+the one message MG-WFBP makes of it, at each chunk size given, on every link. Then the shard-load table for VGG19: our
 ~2 MiB key-value pairs against one tensor per shard (stock TensorFlow's placement).
 """
 
@@ -52,6 +53,11 @@ def _cases(args, link: str) -> list:
     if not args.skip_vgg19:
         cases.append(("vgg19", [list(s.shape) for s in vgg19()], 2 * MiB))
     cases.append(("transformer", _transformer_shapes(), 2 * MiB))
+    # The transformer merged into one message (what MG-WFBP sends it as), its chunk swept: on a
+    # capped link a ring step's wake-up is latency the next chunk's bytes can hide.
+    flat = sum(int(np.prod(s)) for s in _transformer_shapes())
+    for kib in args.bucket_sweep:
+        cases.append((f"transformer-bucket@{kib}KiB", [(flat,)], kib * 1024))
     if link == "loopback":
         for kib in args.sweep:
             cases.append((f"64MiB@{kib}KiB", [(16 * MiB,)], kib * 1024))
@@ -158,6 +164,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--capped-repeats", type=int, default=5, help="repeats on a capped link (VGG19 takes ~7 s a round at 1 Gbit)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (TCP buffers, page faults)")
     parser.add_argument("--sweep", type=lambda s: [int(x) for x in s.split(",") if x], default=[256, 512, 1024, 2048, 4096, 8192, 16384], help="chunk sizes in KiB")
+    parser.add_argument("--bucket-sweep", type=lambda s: [int(x) for x in s.split(",") if x], default=[], help="chunk sizes in KiB for the transformer as one bucket, every link")
     parser.add_argument("--skip-vgg19", action="store_true")
     parser.add_argument("--skip-64mib", action="store_true")
     parser.add_argument("--timeout", type=float, default=3600)
