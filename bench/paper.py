@@ -155,6 +155,7 @@ def worker(cfg: dict) -> None:
     else:
         import poseidon_aio
         from poseidon_aio import kernels
+        from poseidon_aio.sync import MergeConfig
 
         rate, grow = cfg["tflops"] * 1e12, cfg["scale"] ** 1.5  # an FC layer's K M N shrank by s^1.5
 
@@ -165,7 +166,9 @@ def worker(cfg: dict) -> None:
 
         async def main():
             stats = []
-            async with poseidon_aio.Trainer(model, opt, loss_fn, mode=cfg["impl"], broadcast_buffers=False) as trainer:
+            # The merge trials' DDP buckets shrink with the bytes, as DDP's own do (above).
+            merge = MergeConfig(bucket_bytes=tuple(int(b / cfg["scale"]) for b in MergeConfig().bucket_bytes))
+            async with poseidon_aio.Trainer(model, opt, loss_fn, mode=cfg["impl"], broadcast_buffers=False, merge=merge) as trainer:
                 for t in range(total):
                     started = time.perf_counter()
                     stats.append(await trainer.step((x, None)))
@@ -183,6 +186,8 @@ def worker(cfg: dict) -> None:
             "bytes": statistics.median(sum(s.bytes.values()) for s in stats),
             "merge_groups": len(info.get("groups", [])),
             "alpha_s": info.get("alpha_s"),
+            # what the plan's trials tried (ms a step) and kept: why a merged row is what it is
+            "trial": info.get("trial"),
         }
     d = cfg["dilation"]
     with open(cfg["out"], "w") as f:
@@ -204,6 +209,9 @@ def run(model: str, impl: str, world: int, args, rate_bits: float) -> dict:
         ranks = launch("bench.paper", world, cfg, namespaces=names, timeout=args.timeout, what=f"{impl} {model} x{world}")
     steps = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
     out = {"step_s": statistics.median(steps), "rank0": ranks[0]}
+    for key in ("merge_groups", "alpha_s", "trial"):
+        if ranks[0].get(key) is not None:
+            out[key] = ranks[0][key]
     if "bytes" in ranks[0]:
         out["compute_s"] = max(r["compute_s"] for r in ranks)
         # Bytes crossed the scaled link: scale back to what the full-size model moves.
@@ -211,13 +219,35 @@ def run(model: str, impl: str, world: int, args, rate_bits: float) -> dict:
     return out
 
 
+def layer_overheads(results: dict, args) -> dict:
+    """``{model: seconds}``: what each layer's pass cost the emulation beyond its replayed FLOPs,
+    from the one-worker iteration (compute alone): (emulated - simulated) / (2 x layers), a
+    forward and a backward a layer. The replay's per-layer costs (autograd, the trainer's hooks,
+    the sleep's overshoot) are the framework's, which the trace's FLOPs leave out; a model with
+    many small layers pays them most (ResNet-152: 311 layers)."""
+    from poseidon_aio.cluster.models import trace
+    from poseidon_aio.sync.cost import Link
+    from poseidon_aio.sync.simulator import Simulator
+
+    out = {}
+    for (model, world, impl), res in results.items():
+        if world == 1:
+            tr = trace(model, args.batch)
+            nominal = Simulator(tr, 1, rate=args.device_tflops * 1e12, link=Link(0.0, 0.0), mode="wfbp").run().time
+            out[model] = max(0.0, (res["step_s"] - nominal) / (2 * len(tr)))
+    return out
+
+
 def simulate_beside(results: dict, args, rate_bits: float, efficiency: Optional[dict] = None) -> tuple:
     """The simulator (poseidon_aio.sync.simulator) at every emulated point, full size, same rate and
-    link, start-up ``--alpha-us`` per message, on ideal links and, given ``efficiency`` (``{senders:
+    link, start-up ``--alpha-us`` per message: on ideal links; given ``efficiency`` (``{senders:
     fraction}``, measured on the emulation's links by ``bench.patterns.fan_in_efficiency``), on
-    links that lose what the emulated ones lose to fan-in; and MG-WFBP at 64 workers on ResNet-50
-    with the paper's start-up (``bench simulate``'s case). Returns (markdown lines, max relative
-    error: with the measured fan-in where given, else ideal; the ideal links' max error; MG-WFBP
+    links that lose what the emulated ones lose to fan-in; and, where one worker was emulated,
+    with that model's per-layer overhead too (:func:`layer_overheads`: the compute the emulation
+    measured, so what is compared beyond one worker is the network and its overlap). And MG-WFBP
+    at 64 workers on ResNet-50 with the paper's start-up (``bench simulate``'s case). Returns
+    (markdown lines, max relative error of the last column over the points with 2 and more
+    workers (one worker is the overhead's measurement), the ideal links' max error, MG-WFBP
     speed-up over WFBP)."""
     from poseidon_aio.cluster.models import trace
     from poseidon_aio.sync.cost import Link
@@ -227,23 +257,32 @@ def simulate_beside(results: dict, args, rate_bits: float, efficiency: Optional[
     from bench.simulate import paper_startup
 
     link = Link.of_bandwidth(rate_bits / 8, args.alpha_us * 1e-6)
-    effs = {"ideal links": None} | ({"measured fan-in": FlowEfficiency(efficiency)} if efficiency else {})
+    overheads = layer_overheads(results, args)
+    measured = FlowEfficiency(efficiency) if efficiency else None
+    columns = {"ideal links": (None, False)}
+    if measured:
+        columns["measured fan-in"] = (measured, False)
+    if overheads:
+        columns["measured fan-in and layer overhead" if measured else "layer overhead"] = (measured, True)
     lines = [
         f"Simulated vs emulated iteration, ms (simulator: same model trace, {args.device_tflops:g} TFLOP/s, the full-size link, "
         f"{args.alpha_us:g} us start-up per message; ideal links, and links that deliver what the emulation's delivered with "
-        f"n senders into one: {efficiency or 'not measured'}); error = |sim - emulated| / emulated",
+        f"n senders into one: {efficiency or 'not measured'}; per-layer overhead measured on one worker, us a pass: "
+        f"{ {m: round(o * 1e6, 1) for m, o in overheads.items()} or 'not measured'}); error = |sim - emulated| / emulated",
         "",
-        "| model | workers | scheme | emulated | " + " | ".join(f"simulated, {e} | error" for e in effs) + " |",
-        "|---|---|---|---|" + "---|---|" * len(effs),
+        "| model | workers | scheme | emulated | " + " | ".join(f"simulated, {c} | error" for c in columns) + " |",
+        "|---|---|---|---|" + "---|---|" * len(columns),
     ]
-    errors = {e: [] for e in effs}
+    errors = {c: [] for c in columns}
     for (model, world, impl), res in sorted(results.items()):
         mode = impl if world > 1 else "wfbp"
         cells = []
-        for name, eff in effs.items():
-            sim = Simulator(trace(model, args.batch), world, rate=args.device_tflops * 1e12, link=link, mode=mode, efficiency=eff).run()
+        for name, (eff, with_overhead) in columns.items():
+            overhead = overheads.get(model, 0.0) if with_overhead else 0.0
+            sim = Simulator(trace(model, args.batch), world, rate=args.device_tflops * 1e12, link=link, mode=mode, efficiency=eff, layer_overhead=overhead).run()
             err = abs(sim.time - res["step_s"]) / res["step_s"]
-            errors[name].append(err)
+            if world > 1 or not with_overhead:
+                errors[name].append(err)
             cells.append(f"{sim.time * 1e3:.0f} | {err * 100:.1f} %")
         lines.append(f"| {model} | {world} | {impl} | {res['step_s'] * 1e3:.0f} | " + " | ".join(cells) + " |")
     tr = trace("resnet50", 32)
@@ -253,8 +292,8 @@ def simulate_beside(results: dict, args, rate_bits: float, efficiency: Optional[
     lines += ["", f"MG-WFBP (the default planner: the fastest of Algorithm 1's plan, the exact one and one message) vs WFBP, simulated, ResNet-50, "
               f"64 workers, 2 TFLOP/s, 10 Gbit/s, a(64) = {paper_startup(64) * 1e3:.2f} ms per push: {wfbp.time * 1e3:.0f} -> "
               f"{merged.time * 1e3:.0f} ms, {mg:.2f} x (Algorithm 1 {wfbp.time / alg1.time:.2f} x, exact {wfbp.time / exact.time:.2f} x)", ""]
-    worst = {e: (max(errs) if errs else None) for e, errs in errors.items()}
-    return lines, worst[list(effs)[-1]], worst["ideal links"], mg
+    worst = {c: (max(errs) if errs else None) for c, errs in errors.items()}
+    return lines, worst[list(columns)[-1]], worst["ideal links"], mg
 
 
 def _efficiency(args, worlds: list, rate_bits: float) -> Optional[dict]:
@@ -371,7 +410,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--device-tflops", type=float, default=4.2)
     parser.add_argument("--alpha-us", type=float, default=50.0, help="start-up per message the simulator charges (our event loop's, measured ~50 us)")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=13, help="untimed iterations (merging is planned after 3, then up to 3 plans tried for 3 steps each)")
+    parser.add_argument("--warmup", type=int, default=16, help="untimed iterations (merging is planned after 3, then up to 4 plans tried for 3 steps each)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--out", default="bench/out", help="where the figures and the raw results go")
     parser.add_argument("--simulate", action="store_true", default=True, help="run the simulator beside the emulation (default)")

@@ -261,6 +261,20 @@ def test_all_to_all_schemes_at_1024_workers_count_every_message():
 # -- properties ------------------------------------------------------------------------------------
 
 
+def test_a_layer_overhead_is_paid_by_every_pass_by_hand():
+    # Three layers, overhead o: one worker computes 3 x FLOPs/rate + 2 x 3 x o (a forward and a
+    # backward each); two workers on the PS: the last layer (nearest the input) is ready o later
+    # than without it for every pass before it, and its sync costs what it cost.
+    tr = trace_of("three", [(f"fc{i}", [(M, N)], 2 * K * M * N) for i in range(3)], batch=K)
+    o = 1e-3
+    one = run(tr, 1, rate=RATE, link=Link(ALPHA, BETA), mode="wfbp", layer_overhead=o)
+    assert one.time == one.compute == pytest.approx(3 * 3 * T_F + 6 * o, rel=1e-12)
+    base = run(tr, 2, rate=RATE, link=Link(ALPHA, BETA), mode="naive")
+    slow = run(tr, 2, rate=RATE, link=Link(ALPHA, BETA), mode="naive", layer_overhead=o)
+    assert slow.time == pytest.approx(base.time + 6 * o, rel=1e-12)  # naive: all after the backward
+    assert run(tr, 2, rate=RATE, link=Link(ALPHA, BETA), mode="poseidon", layer_overhead=0.0) == run(tr, 2, rate=RATE, link=Link(ALPHA, BETA), mode="poseidon")
+
+
 @pytest.mark.parametrize("mode", ["naive", "wfbp", "mgwfbp", "poseidon", "ddp"])
 def test_one_worker_is_compute_only(mode):
     tr = trace("resnet50")
@@ -389,6 +403,7 @@ def test_bad_settings_are_config_errors():
     for kw in (
         dict(workers=0), dict(workers=2.5), dict(rate=0), dict(rate=float("inf")), dict(link=Link(-1, 1)),
         dict(mode="ring"), dict(hybcomm=("carrier-pigeon",)), dict(chunk_bytes=8), dict(latency=-1),
+        dict(layer_overhead=-1e-6), dict(layer_overhead=float("nan")),
     ):
         settings_ = dict(workers=2, rate=1e12, link=Link(0, 1e-9)) | kw
         with pytest.raises(ConfigError):
@@ -504,9 +519,10 @@ def test_bench_paper_scales_a_layer_s_matrix_and_its_factors_by_the_same_factor(
     assert fc == 3
 
 
-def test_bench_paper_reports_saved_results_on_ideal_links_and_with_the_saved_fan_in(monkeypatch, capsys, tmp_path):
-    # The report alone (no namespaces): the simulator beside each emulated point, both ways, and
-    # the JSON's max error from the links that lose what the emulated ones lost.
+def test_bench_paper_reports_saved_results_on_ideal_links_with_the_saved_fan_in_and_the_layer_overhead(monkeypatch, capsys, tmp_path):
+    # The report alone (no namespaces): the simulator beside each emulated point, on ideal links,
+    # with the saved fan-in, and with the per-layer overhead one worker measured too; the JSON's
+    # max error is the last column's over the points with 2 and more workers.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from bench import paper
 
@@ -517,8 +533,17 @@ def test_bench_paper_reports_saved_results_on_ideal_links_and_with_the_saved_fan
     args = ["--from-json", str(tmp_path / "paper-emulated.json"), "--models", "inception_v3", "--workers", "1,4", "--out", str(tmp_path)]
     out = paper.main(args)
     printed = capsys.readouterr().out
-    assert "| simulated, ideal links | error | simulated, measured fan-in | error |" in printed
+    assert "| simulated, ideal links | error | simulated, measured fan-in | error | simulated, measured fan-in and layer overhead | error |" in printed
     assert out["fan_in_efficiency"] == {1: 0.95, 3: 0.8}
-    assert out["sim_vs_emulated_max_error"] != out["sim_vs_emulated_max_error_ideal_links"]
+    tr = trace("inception_v3", 32)
+    link = Link.of_bandwidth(10e9 / 8, 50e-6)
+    nominal = run(tr, 1, rate=4.2e12, link=link, mode="wfbp").time
+    overhead = (0.273 - nominal) / (2 * len(tr))
+    assert f"'inception_v3': {overhead * 1e6:.1f}" in printed
+    # one worker with the overhead it was measured from is the emulated iteration itself
+    assert run(tr, 1, rate=4.2e12, link=link, mode="wfbp", layer_overhead=overhead).time == pytest.approx(0.273, rel=1e-9)
+    four = run(tr, 4, rate=4.2e12, link=link, mode="naive", efficiency=FlowEfficiency({1: 0.95, 3: 0.8}), layer_overhead=overhead).time
+    assert out["sim_vs_emulated_max_error"] == round(abs(four - 0.433) / 0.433, 3)
     ideal = paper.main([*args, "--efficiency", "ideal"])
-    assert ideal["fan_in_efficiency"] is None and ideal["sim_vs_emulated_max_error"] == out["sim_vs_emulated_max_error_ideal_links"]
+    assert ideal["fan_in_efficiency"] is None and ideal["sim_vs_emulated_max_error_ideal_links"] == out["sim_vs_emulated_max_error_ideal_links"]
+    assert "| simulated, ideal links | error | simulated, layer overhead | error |" in capsys.readouterr().out

@@ -13,7 +13,10 @@ input's gradient only, once its forward: the trainer skips the weight gradient, 
 reconstruction yields). A layer's synchronization starts when its gradient is ready (WFBP; an SFB
 layer as soon as its output's gradient is: the factors are ready before its backward), or, in
 mode ``naive``, all after the backward, output layer first. A merge group starts when its last
-member (the one nearest the input) is ready.
+member (the one nearest the input) is ready. ``layer_overhead`` adds the framework's cost of a
+layer to each of its passes, forward and backward, whatever its FLOPs (a real framework's
+dispatch and hooks, a replay's timers): measured, e.g. from one worker's iteration, it is what
+separates a model of 300 small layers from its FLOPs.
 
 Network. ``P`` workers, each with a full-duplex NIC: an up-link and a down-link, each a FIFO
 server. A message of ``n`` bytes takes ``alpha + n * beta`` of its sender's up-link (``alpha``:
@@ -338,9 +341,11 @@ def _max_of_others(values: np.ndarray, at: np.ndarray, nodes: int) -> np.ndarray
 class _Layer:
     """A trace layer as the simulation sees it."""
 
-    __slots__ = ("index", "name", "shape", "factorable", "nbytes", "params", "shapes", "forward", "backward", "ready", "scheme")
+    __slots__ = ("index", "name", "shape", "factorable", "nbytes", "params", "shapes", "forward", "backward", "overhead", "ready", "scheme")
 
-    def __init__(self, index: int, name: str, shape: LayerShape, factorable: bool, params: tuple, shapes: tuple, forward: float) -> None:
+    def __init__(
+        self, index: int, name: str, shape: LayerShape, factorable: bool, params: tuple, shapes: tuple, forward: float, overhead: float = 0.0
+    ) -> None:
         self.index = index
         self.name = name
         self.shape = shape
@@ -348,13 +353,14 @@ class _Layer:
         self.params = params  # full parameter names
         self.shapes = shapes
         self.nbytes = sum(math.prod(s) for s in shapes) * ITEMSIZE
-        self.forward = forward
-        self.backward = 2 * forward  # _timeline sets it once the scheme is known
+        self.overhead = overhead  # seconds a pass of this layer costs beyond its FLOPs
+        self.forward = forward + overhead
+        self.backward = 2 * forward + overhead  # _timeline sets it once the scheme is known
         self.ready = 0.0
         self.scheme = Scheme.PS
 
 
-def _layers(trace: Trace, rows: int, rate: float) -> list:
+def _layers(trace: Trace, rows: int, rate: float, overhead: float = 0.0) -> list:
     out = []
     for i, layer in enumerate(trace):
         if layer.fully_connected:
@@ -365,7 +371,7 @@ def _layers(trace: Trace, rows: int, rate: float) -> list:
             shape = LayerShape(layer.name, kind, layer.params, 1)
         # An FC layer's factors are a weight and an optional bias of M (what the trainer factors).
         factorable = layer.fully_connected and (len(layer.shapes) == 1 or layer.shapes[1] == (layer.shapes[0][0],))
-        out.append(_Layer(i, layer.name, shape, factorable, trace.param_names(i), layer.shapes, layer.flops / rate))
+        out.append(_Layer(i, layer.name, shape, factorable, trace.param_names(i), layer.shapes, layer.flops / rate, overhead))
     return out
 
 
@@ -375,7 +381,8 @@ def _timeline(layers: list) -> tuple:
     t = t_f
     for layer in reversed(layers):
         # SFB layers compute their input's gradient only (one GEMM, as long as the forward's).
-        layer.backward = layer.forward * (1 if layer.scheme is Scheme.SFB else 2)
+        flops_time = layer.forward - layer.overhead
+        layer.backward = flops_time * (1 if layer.scheme is Scheme.SFB else 2) + layer.overhead
         # SFB's factors: u is the output's gradient, there as the layer's backward begins.
         layer.ready = t if layer.scheme is Scheme.SFB else t + layer.backward
         t += layer.backward
@@ -551,6 +558,9 @@ class Simulator:
         rows: K, the rows of each FC layer's factors (default: the trace's batch).
         efficiency: :class:`FlowEfficiency`, what a down-link delivers with ``n`` senders at once
             (default: all of its rate, however many).
+        layer_overhead: seconds every layer's forward, and its backward, take beyond its FLOPs at
+            ``rate`` (the framework's per-layer cost: hooks, dispatch, a replay's timer): what makes
+            a model of 300 small layers slower than its FLOPs say (default 0).
     Raises:
         ConfigError: a number out of range, an unknown mode or scheme, an empty trace.
 
@@ -577,6 +587,7 @@ class Simulator:
         allreduce: str = "auto",
         rows: Optional[int] = None,
         efficiency: Optional[FlowEfficiency] = None,
+        layer_overhead: float = 0.0,
     ) -> None:
         if not isinstance(trace, Trace):
             raise ConfigError("the simulator takes a Trace: cluster.models.trace(name, batch) or trace_of(model, layers, batch)")
@@ -594,6 +605,8 @@ class Simulator:
             raise ConfigError(f"allreduce must be one of {ALLREDUCE_ALGORITHMS}, got {allreduce!r}")
         if not (math.isfinite(latency) and latency >= 0):
             raise ConfigError(f"latency must be finite and >= 0 seconds, got {latency!r}")
+        if not (isinstance(layer_overhead, (int, float)) and math.isfinite(layer_overhead) and layer_overhead >= 0):
+            raise ConfigError(f"layer_overhead must be finite and >= 0 seconds, got {layer_overhead!r}")
         if not len(trace):
             raise ConfigError("the trace has no layers")
         try:
@@ -611,7 +624,8 @@ class Simulator:
         if efficiency is not None and not isinstance(efficiency, FlowEfficiency):
             raise ConfigError(f"efficiency must be a FlowEfficiency (e.g. FlowEfficiency({{1: 0.95, 15: 0.66}})), got {efficiency!r}")
         self.net = (link, costed, bool(ingress), float(latency), efficiency)
-        self.layers = _layers(trace, self.rows, self.rate)
+        self.layer_overhead = float(layer_overhead)
+        self.layers = _layers(trace, self.rows, self.rate, self.layer_overhead)
         self.calibration = _calibration(self.net) if self.workers > 1 else []
         if self.workers > 1 and mode != DDP:
             chosen = choose_schemes(
@@ -632,8 +646,8 @@ class Simulator:
     def run(self, merge: Optional[str] = None) -> Iteration:
         """One iteration under the trainer's ``MergeConfig.kind`` ``merge`` (``None``: ``best`` in
         modes ``mgwfbp`` and ``poseidon``, no merging otherwise). ``best`` is what the trainer's
-        trials keep on a noiseless job: the fastest of Algorithm 1's plan, the exact one and one
-        message after the backward, or one message per layer if none is faster.
+        trials keep on a noiseless job: the fastest of Algorithm 1's plan, the exact one, one
+        message after the backward and DDP's buckets, or one message per layer if none is faster.
 
         Raises:
             ConfigError: an unknown kind, or merging in a mode that does not merge.
@@ -654,7 +668,7 @@ class Simulator:
         groups = {s: [(layer.index,) for layer in layers if layer.scheme is s] for s in self.mergeable}
         if kind is MergeKind.BEST:
             # the first of equals: a plan is kept only if faster than none, Algorithm 1's on a tie
-            tried = [self.run(k.value) for k in (MergeKind.NONE, MergeKind.ALGORITHM1, MergeKind.OPTIMAL, MergeKind.SINGLE)]
+            tried = [self.run(k.value) for k in (MergeKind.NONE, MergeKind.ALGORITHM1, MergeKind.OPTIMAL, MergeKind.SINGLE, MergeKind.BUCKETS)]
             return min(tried, key=lambda it: it.time)
         if kind is MergeKind.NONE:
             sim = self._warm_up(groups)
