@@ -278,10 +278,11 @@ def simulate_beside(results: dict, args, rate_bits: float, efficiency: Optional[
     errors = {c: [] for c in columns}
     for (model, world, impl), res in sorted(results.items()):
         mode = impl if world > 1 else "wfbp"
+        tr = trace(model, args.batch)
         cells = []
         for name, (eff, with_overhead) in columns.items():
             overhead = overheads.get(model, 0.0) if with_overhead else 0.0
-            sim = Simulator(trace(model, args.batch), world, rate=args.device_tflops * 1e12, link=link, mode=mode, efficiency=eff, layer_overhead=overhead).run()
+            sim = Simulator(tr, world, rate=args.device_tflops * 1e12, link=link, mode=mode, efficiency=eff, layer_overhead=overhead).run()
             err = abs(sim.time - res["step_s"]) / res["step_s"]
             if world > 1 or not with_overhead:
                 errors[name].append(err)

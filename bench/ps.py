@@ -13,8 +13,9 @@ behind tc tbf (both directions), gloo capped exactly like us.
 Cases: one 64 MiB tensor; VGG19's 38 parameter tensors (143.7 M floats, 575 MB per worker); the
 transformer of ``bench train`` (32 tensors, 0.66 M floats: many small ones); a chunk-size sweep
 (256 KiB to 16 MiB) on the 64 MiB tensor (loopback); with ``--bucket-sweep``, the transformer as
-the one message MG-WFBP makes of it, at each chunk size given, on every link. Then the shard-load table for VGG19: our
-~2 MiB key-value pairs against one tensor per shard (stock TensorFlow's placement).
+the one message MG-WFBP makes of it, at each chunk size given, on every link. Then the
+shard-load table for VGG19: our ~2 MiB key-value pairs against one tensor per shard (stock
+TensorFlow's placement).
 """
 
 from __future__ import annotations

@@ -100,7 +100,8 @@ class MergeConfig:
 
     @property
     def planned(self) -> bool:
-        """Whether a plan is made from measurements (Algorithm 1 or the exact planner)."""
+        """Whether the plan is made by the runtime after the measured steps (Algorithm 1, the
+        exact planner, DDP's buckets or ``best``), rather than at start (``single``, ``none``)."""
         return self.kind in (MergeKind.ALGORITHM1, MergeKind.OPTIMAL, MergeKind.BEST, MergeKind.BUCKETS)
 
 

@@ -341,7 +341,7 @@ def _max_of_others(values: np.ndarray, at: np.ndarray, nodes: int) -> np.ndarray
 class _Layer:
     """A trace layer as the simulation sees it."""
 
-    __slots__ = ("index", "name", "shape", "factorable", "nbytes", "params", "shapes", "forward", "backward", "overhead", "ready", "scheme")
+    __slots__ = ("index", "name", "shape", "factorable", "nbytes", "params", "shapes", "flops_s", "overhead", "forward", "backward", "ready", "scheme")
 
     def __init__(
         self, index: int, name: str, shape: LayerShape, factorable: bool, params: tuple, shapes: tuple, forward: float, overhead: float = 0.0
@@ -353,6 +353,7 @@ class _Layer:
         self.params = params  # full parameter names
         self.shapes = shapes
         self.nbytes = sum(math.prod(s) for s in shapes) * ITEMSIZE
+        self.flops_s = forward  # the forward's FLOPs at the device's rate
         self.overhead = overhead  # seconds a pass of this layer costs beyond its FLOPs
         self.forward = forward + overhead
         self.backward = 2 * forward + overhead  # _timeline sets it once the scheme is known
@@ -381,8 +382,7 @@ def _timeline(layers: list) -> tuple:
     t = t_f
     for layer in reversed(layers):
         # SFB layers compute their input's gradient only (one GEMM, as long as the forward's).
-        flops_time = layer.forward - layer.overhead
-        layer.backward = flops_time * (1 if layer.scheme is Scheme.SFB else 2) + layer.overhead
+        layer.backward = layer.flops_s * (1 if layer.scheme is Scheme.SFB else 2) + layer.overhead
         # SFB's factors: u is the output's gradient, there as the layer's backward begins.
         layer.ready = t if layer.scheme is Scheme.SFB else t + layer.backward
         t += layer.backward
