@@ -21,7 +21,8 @@ Implementations, side by side in one run:
 * ``auto``: poseidon with ``compression="auto"``: per layer the least predicted time among the
   exact schemes, fp16, PowerSGD (the same rank) and top-k, on the link measured at start-up.
 
-A step's time is the median over the timed steps of the slowest rank; with ``--repeats R`` every
+A step's time is the median over the timed steps of the slowest rank, every implementation's steps
+run back to back (DDP's too: no barrier between them since 2026-11-25); with ``--repeats R`` every
 implementation runs R times, interleaved (a slow minute of the shared host lands on all of them),
 a cell is the median repeat and a ratio the median of the repeats' ratios, min-max shown. Without root (no
 namespaces) our processes are capped by the library's shaper and DDP runs uncapped; the report
@@ -87,8 +88,11 @@ def worker(cfg: dict) -> None:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        # One barrier, then the steps back to back, as a user's loop runs them and as ours are
+        # timed: a barrier before every step would leave out of DDP's step the time a rank waits
+        # for a slower one (3-4 ms of the transformer's 46 at 4 workers, 1 Gbit).
+        dist.barrier()
         for _ in range(total):
-            dist.barrier()
             started = time.perf_counter()
             opt.zero_grad()
             loss_fn(ddp(mine[0]), mine[1]).backward()

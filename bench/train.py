@@ -16,7 +16,8 @@ Links and compute:
   Without root, our processes are capped by the library's shaper and DDP runs uncapped, and the
   report says so.
 
-A step's time is the median over the timed steps of the slowest rank; with ``--repeats R`` every
+A step's time is the median over the timed steps of the slowest rank, every implementation's steps
+run back to back (DDP's too: no barrier between them since 2026-11-25); with ``--repeats R`` every
 implementation runs R times, interleaved, and a row's speedup is the median of the R ratios (min–max
 shown): the noise a single run hides. Each row also has the **lower bound** of poseidon's step:
 max(its compute (forward + backward on the compute thread), the bytes on its busiest link ÷ the
@@ -69,8 +70,11 @@ def worker(cfg: dict) -> None:
 
         dist.init_process_group("gloo", rank=cfg["rank"], world_size=cfg["world"])
         ddp = DistributedDataParallel(model)
+        # One barrier, then the steps back to back, as a user's loop runs them and as ours are
+        # timed: a barrier before every step would leave out of DDP's step the time a rank waits
+        # for a slower one (3-4 ms of the transformer's 46 at 4 workers, 1 Gbit).
+        dist.barrier()
         for _ in range(total):
-            dist.barrier()
             started, cpu0 = time.perf_counter(), time.process_time()
             opt.zero_grad()
             loss_fn(ddp(mine[0]), mine[1]).backward()

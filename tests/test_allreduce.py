@@ -110,3 +110,20 @@ def test_a_peer_lost_mid_ring_ends_every_chunk_in_connection_lost_not_a_hang():
 
     for error in run_async(go()):
         assert isinstance(error, ConnectionLost), repr(error)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 50), min_size=1, max_size=5), data=st.data())
+def test_adding_piece_by_piece_gives_the_bits_of_adding_the_concatenation(sizes, data):
+    from poseidon_aio.sync.allreduce import _add_into, _Layout
+
+    rng = np.random.default_rng(len(sizes) * 1000 + sum(sizes))
+    arrays = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    total = sum(sizes)
+    start = data.draw(st.integers(0, total - 1))
+    stop = data.draw(st.integers(start + 1, total))
+    pieces = _Layout(tuple(sizes), 2, total).pieces(start, stop)
+    acc = rng.standard_normal(stop - start).astype(np.float32)
+    expected = acc + np.concatenate(arrays)[start:stop]
+    _add_into(acc, arrays, pieces)
+    assert acc.tobytes() == expected.tobytes()

@@ -165,3 +165,30 @@ def test_checkpoint_round_trip_and_corruption(tmp_path):
         checkpoint.read(root, 1, 4, "book-b")
     assert checkpoint.newest_common({0: [2, 4, 6], 1: [2, 4]}) == 4
     assert checkpoint.newest_common({0: [2], 1: []}) is None
+
+
+def test_the_client_refuses_an_array_unlike_its_manifest_entry_naming_it():
+    """The PS client checks every array it is handed against the manifest (shape, dtype, layout)
+    before a byte moves; the check compares NumPy dtypes, not their names."""
+    import asyncio
+
+    from poseidon_aio.errors import LocalProtocolError
+    from poseidon_aio.ps import PSConfig
+    from poseidon_aio.ps.client import PSClient
+
+    book = InformationBook(manifest([(4, 3), (5,)]), workers=2, shards=1, chunk_bytes=4096)
+
+    async def check():
+        client = PSClient(0, book, PSConfig(), {})
+        good = np.zeros((4, 3), np.float32)
+        assert client._checked(0, good).shape == (12,)
+        for bad, why in (
+            (np.zeros((4, 3), np.float64), "float64"),
+            (np.zeros((3, 4), np.float32), "[3, 4]"),
+            (np.zeros((3, 4), np.float32).T, "C-contiguous"),
+        ):
+            with pytest.raises(LocalProtocolError, match=r"layer0\.weight") as err:
+                client._checked(0, bad)
+            assert why in str(err.value)
+
+    asyncio.run(check())

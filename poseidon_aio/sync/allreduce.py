@@ -111,6 +111,16 @@ def _gathered(arrays: list, pieces: list) -> np.ndarray:
     return np.concatenate([arrays[i][lo:hi] for i, lo, hi in pieces])
 
 
+def _add_into(acc: np.ndarray, arrays: list, pieces: list) -> None:
+    """``acc += `` the flat elements ``pieces`` name, piece by piece: the same float32 additions as
+    adding their concatenation, without making it."""
+    offset = 0
+    for i, lo, hi in pieces:
+        part = acc[offset : offset + hi - lo]
+        np.add(part, arrays[i][lo:hi], out=part)
+        offset += hi - lo
+
+
 def _scatter(flat: np.ndarray, arrays: list, pieces: list) -> None:
     """Copy ``flat`` into the places ``pieces`` name in ``arrays``."""
     offset = 0
@@ -296,7 +306,7 @@ class AllReduceSyncer(Syncer):
         for s in range(steps):
             fut, acc = parts[(c, s)]
             await self._bounded(fut, bucket, clock, f"reduce-scatter step {s} of chunk {c} from rank {prev}")
-            np.add(acc, _gathered(grads, layout.pieces(*slices[(r - s - 1) % P])), out=acc)
+            _add_into(acc, grads, layout.pieces(*slices[(r - s - 1) % P]))
             if s < steps - 1:
                 await nxt.send(Kind.PUSH, acc, key=base + s + 1, clock=clock, dtype=wire, priority=bucket.priority)
                 sent += acc.nbytes

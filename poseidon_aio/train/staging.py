@@ -65,8 +65,8 @@ class Staging:
     def host(self, slot, tensor: torch.Tensor, event=None) -> np.ndarray:
         """``tensor``'s values in host memory, as a NumPy array: the tensor itself on CPU, else
         a copy into ``slot``'s buffer, complete when this returns (run it off the event loop)."""
-        if not self.staged(tensor):
-            return tensor.detach().numpy()
+        if not self.staged(tensor):  # a gradient needs no detach (1 us a call, every parameter every step)
+            return (tensor.detach() if tensor.requires_grad else tensor).numpy()
         buf = self.buffer(slot, tensor)
         if on_gpu(tensor):
             stream = self._copy_stream(tensor.device)
