@@ -96,13 +96,15 @@ def test_hybcomm_uses_sfb_where_it_is_cheaper_and_bytes_match_the_cost_model():
     assert abs(ps_only - ps_predicted) <= 0.05 * ps_predicted
 
 
-@pytest.mark.parametrize("mode,staleness", [("poseidon", 0), ("wfbp", 1)])
-def test_frozen_tied_unused_params_any_optimizer_and_scheduler(mode, staleness):
+@pytest.mark.parametrize("mode,staleness,merge", [("poseidon", 0, None), ("wfbp", 1, None), ("poseidon", 0, "single")])
+def test_frozen_tied_unused_params_any_optimizer_and_scheduler(mode, staleness, merge):
     from .trainworkers import tricky_single, tricky_worker
 
     workers, steps, size, seed = 2, 3, 4, 3
-    res = run_workers(workers, tricky_worker, seed, steps, size, staleness, mode, timeout=120)
-    params, schemes = res[0]
+    res = run_workers(workers, tricky_worker, seed, steps, size, staleness, mode, merge, timeout=120)
+    params, schemes, groups = res[0]
+    if merge:  # the unused layer shares a message with layers that report: it must not hold it up
+        assert any("unused" in g and len(g) > 1 for g in groups), groups
     assert all(a.tobytes() == b.tobytes() for a, b in zip(params, res[1][0])), "replicas differ"
     if staleness == 0:
         for a, ref in zip(params, tricky_single(seed, workers, steps, size)):

@@ -166,9 +166,10 @@ def tricky_single(seed: int, workers: int, steps: int, size: int, staleness: int
     return [p.detach().numpy().copy() for p in model.parameters()]
 
 
-def tricky_worker(rank: int, seed: int, steps: int, size: int, staleness: int, mode: str):
+def tricky_worker(rank: int, seed: int, steps: int, size: int, staleness: int, mode: str, merge=None):
     import poseidon_aio
     from poseidon_aio.ps import PSConfig
+    from poseidon_aio.sync import MergeConfig
 
     torch.set_num_threads(1)
     torch.manual_seed(seed + rank)  # different start on every rank: rank 0's must win
@@ -182,12 +183,15 @@ def tricky_worker(rank: int, seed: int, steps: int, size: int, staleness: int, m
         async with poseidon_aio.Trainer(
             model, opt, nn.functional.cross_entropy, mode=mode, ps=PSConfig(staleness=staleness),
             schemes={"shared": "sfb"} if mode == "poseidon" else None,
+            # merged: a group holding a layer that never reports (``unused``) still goes out
+            merge=MergeConfig(kind=merge, after=1, calibration_sizes=(4096, 65536), trial=0) if merge else None,
         ) as trainer:
             for t in range(steps):
                 stats = await trainer.step(batch(spec, seed, rank, t, size))
                 overlaps.append(stats.schemes)
                 sched.step()
-        return [p.detach().numpy().copy() for p in model.parameters()], overlaps[-1]
+            groups = trainer.merge_groups
+        return [p.detach().numpy().copy() for p in model.parameters()], overlaps[-1], groups
 
     return poseidon_aio.run(main())
 
