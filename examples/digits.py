@@ -10,9 +10,11 @@ gradient goes by sufficient factor broadcasting. Rank 0 then trains the same mod
 the same global batches for the same epochs, and prints both test accuracies (360 held-out images).
 
 ``--compression auto`` (or ``fp16``, ``powersgd``, ``topk``) lets the planner weigh lossy schemes
-per layer; the accuracy guard is then 0.5 points of the exact single-process run. On loopback the
-measured link is fast and "auto" may rightly keep every layer exact: ``--plan-bandwidth 100mbit``
-plans for a stated link instead (the bytes still cross loopback), so the guard exercises compression.
+per layer; the accuracy guard is then 0.5 points of the exact single-process run on the mean over
+seeds (``python -m bench accuracy``: one lossy run is a sample, up to 1.1 points either side). On
+loopback the measured link is fast and "auto" may rightly keep every layer exact:
+``--plan-bandwidth 100mbit`` plans for a stated link instead (the bytes still cross loopback), so
+the guard exercises compression.
 """
 
 from __future__ import annotations
@@ -169,10 +171,17 @@ def main() -> int:
         lossy = {k: v for k, v in schemes.items() if v in ("fp16", "powersgd", "topk")}
         print(f"lossy layers: {lossy or 'none'}")
     # Exact schemes differ from one process by float32 summation order only: 1 point (3.6 of 360
-    # images) is already generous. Compression is held to 0.5 points of exact training.
-    points = 1.0 if args.compression == "none" else 0.5
-    ok = abs(ours - single) <= points
-    print(f"OK: within {points:g} point" if ok else f"MISMATCH: more than {points:g} point apart")
+    # images) is already generous. A lossy scheme moves the trajectory, and where one run ends is
+    # a sample: top-k at 1 % ended up to 1.1 points either side of exact over 20 seeds, mean -0.14.
+    # Its guard, 0.5 points, is on the mean over seeds (python -m bench accuracy); one run fails
+    # only past 2 points, beyond any seed measured.
+    diff = ours - single
+    if args.compression == "none":
+        ok = abs(diff) <= 1.0
+        print("OK: within 1 point" if ok else "MISMATCH: more than 1 point apart")
+        return 0 if ok else 1
+    ok = abs(diff) <= 2.0
+    print(f"{'OK' if ok else 'MISMATCH'}: {diff:+.2f} points from exact (this run; the guard of 0.5 points is on the mean over seeds: python -m bench accuracy)")
     return 0 if ok else 1
 
 

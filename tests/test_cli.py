@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.accuracy import ACCURACY
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -62,6 +64,8 @@ def test_the_main_job_runs_through_poseidon_aio_run_over_tls_with_one_trace(tmp_
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "test accuracy: 2 workers (poseidon)" in done.stdout and "OK: within 1 point" in done.stdout
+    found = ACCURACY.search(done.stdout)  # `python -m bench accuracy` reads the figures off this line
+    assert found and 0 < float(found.group(1)) <= 100 and 0 < float(found.group(2)) <= 100, done.stdout[-2000:]
     # Not a terminal: progress comes as whole lines, never a bar redrawn with carriage returns.
     assert "\r" not in done.stdout and done.stdout.count("loss") >= 5
     events = json.loads(trace.read_text())["traceEvents"]
