@@ -57,6 +57,12 @@ def seeds_of(text: str) -> list:
     return [int(x) for x in text.split(",")]
 
 
+def summary_of(diffs: list) -> dict:
+    """Mean, sd and largest absolute difference (points) of one method's runs, and the runs."""
+    return {"mean": round(statistics.mean(diffs), 3), "sd": round(statistics.stdev(diffs), 3) if len(diffs) > 1 else 0.0,
+            "max_abs": round(max(abs(d) for d in diffs), 3), "diffs": diffs}
+
+
 def one_run(method: str, seed: int, args) -> dict:
     cmd = [sys.executable, "-m", "poseidon_aio.cli", "run", "-n", str(args.workers), "examples/digits.py", "--quiet",
            "--seed", str(seed), "--epochs", str(args.epochs), "--compression", method]
@@ -96,9 +102,9 @@ def _ratio_at(variant: str, step: int, ratio: float) -> Optional[float]:
     raise SystemExit(f"unknown variant {variant!r}")
 
 
-def emulate(variant: str, seed: int, workers: int, epochs: int, batch: int = 64, ratio: float = 0.01) -> float:
-    """Test accuracy after training the example's model as ``workers`` workers would under
-    ``variant`` (one process; see the module's docstring)."""
+def emulate(digits, variant: str, seed: int, workers: int, epochs: int, batch: int = 64, ratio: float = 0.01) -> float:
+    """Test accuracy after training the example's (``digits``, the loaded module) model as
+    ``workers`` workers would under ``variant`` (one process; see the module's docstring)."""
     import numpy as np
     import torch
     from torch import nn
@@ -106,7 +112,6 @@ def emulate(variant: str, seed: int, workers: int, epochs: int, batch: int = 64,
     from poseidon_aio.sync.compress import MIN_ELEMENTS, Feedback, TopKStep, rank_order_mean
     from poseidon_aio.wire import half
 
-    digits = _example()
     train, test = digits.load(seed)
     model = digits.build_model(seed)
     opt, sched = digits.make_optimizer(model)
@@ -158,10 +163,8 @@ def run_emulation(args, seeds) -> dict:
         for seed in seeds:
             if seed not in reference:
                 reference[seed] = digits_single(digits, seed, args.epochs)
-            diffs.append(round(emulate(variant, seed, args.workers, args.epochs) - reference[seed], 4))
-        s = {"mean": round(statistics.mean(diffs), 3), "sd": round(statistics.stdev(diffs), 3) if len(diffs) > 1 else 0.0,
-             "max_abs": round(max(abs(d) for d in diffs), 3), "diffs": diffs}
-        out[variant] = s
+            diffs.append(round(emulate(digits, variant, seed, args.workers, args.epochs) - reference[seed], 4))
+        s = out[variant] = summary_of(diffs)
         print(f"| {variant} | {args.seeds} | {' '.join(f'{d:+.2f}' for d in diffs)} | {s['mean']:+.2f} | {s['sd']:.2f} | {s['max_abs']:.2f} |", flush=True)
     return {"emulated": True, "workers": args.workers, "epochs": args.epochs, "seeds": seeds, "variants": out}
 
@@ -202,9 +205,7 @@ def main(argv=None) -> dict:
     print("|---|---|---|---|---|")
     for method in methods:
         diffs = [r["diff"] for r in runs if r["method"] == method]
-        s = {"mean": round(statistics.mean(diffs), 3), "sd": round(statistics.stdev(diffs), 3) if len(diffs) > 1 else 0.0,
-             "max_abs": round(max(abs(d) for d in diffs), 3), "diffs": diffs}
-        summary[method] = s
+        s = summary[method] = summary_of(diffs)
         print(f"| {method} | {s['mean']:+.2f} | {s['sd']:.2f} | {s['max_abs']:.2f} | {len(diffs)} |")
     out = {"workers": args.workers, "epochs": args.epochs, "seeds": seeds, "plan_bandwidth": args.plan_bandwidth,
            "methods": summary, "runs": runs}
