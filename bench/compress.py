@@ -21,6 +21,9 @@ Implementations, side by side in one run:
 * ``auto``: poseidon with ``compression="auto"``: per layer the least predicted time among the
   exact schemes, fp16, PowerSGD (the same rank) and top-k, on the link measured at start-up.
 
+Beside each step time the report gives the CPU a step took, all threads of all ranks together:
+with 4 workers on a 2-core host a step cannot be shorter than half of it.
+
 A step's time is the median over the timed steps of the slowest rank, every implementation's steps
 run back to back (DDP's too: no barrier between them since 2026-11-25); with ``--repeats R`` every
 implementation runs R times, interleaved (a slow minute of the shared host lands on all of them),
@@ -65,7 +68,7 @@ def worker(cfg: dict) -> None:
     loss_fn = lambda out, _: out.float().mean()  # noqa: E731 - the replayed outputs are zeros
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     total = cfg["warmup"] + cfg["steps"]
-    times, extra = [], {}
+    times, cpu, extra = [], [], {}
     if cfg["impl"].startswith("ddp"):
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
@@ -93,11 +96,12 @@ def worker(cfg: dict) -> None:
         # for a slower one (3-4 ms of the transformer's 46 at 4 workers, 1 Gbit).
         dist.barrier()
         for _ in range(total):
-            started = time.perf_counter()
+            started, cpu0 = time.perf_counter(), time.process_time()
             opt.zero_grad()
             loss_fn(ddp(mine[0]), mine[1]).backward()
             opt.step()
             times.append(time.perf_counter() - started)
+            cpu.append(time.process_time() - cpu0)
         dist.barrier()
     else:
         import poseidon_aio
@@ -122,9 +126,10 @@ def worker(cfg: dict) -> None:
             stats = []
             async with poseidon_aio.Trainer(model, opt, loss_fn, mode="poseidon", net=net, compression=compression) as trainer:
                 for t in range(total):
-                    started = time.perf_counter()
+                    started, cpu0 = time.perf_counter(), time.process_time()
                     stats.append(await trainer.step(mine))
                     times.append(time.perf_counter() - started)
+                    cpu.append(time.process_time() - cpu0)
                     if t == 0:  # the layers synced by factors compute no weight gradient
                         skip_weight_grad(model, [n for n, s in stats[0].schemes.items() if s in ("sfb", "adam")])
             return stats, {name: w.why for name, w in trainer.compression_plan.items()}, trainer.merge_groups
@@ -139,7 +144,7 @@ def worker(cfg: dict) -> None:
             "bytes": statistics.median(sum(s.bytes.values()) for s in stats),
         }
     with open(cfg["out"], "w") as f:
-        json.dump({"times": times[cfg["warmup"]:], **extra}, f)
+        json.dump({"times": times[cfg["warmup"]:], "cpu": cpu[cfg["warmup"]:], **extra}, f)
     # gloo's teardown can hang once peers are gone; the result is written, leave at once.
     sys.stdout.flush()
     os._exit(0)
@@ -153,7 +158,10 @@ def run_config(impl: str, model: str, world: int, link: str, args, namespaces) -
     cfg = dict(impl=impl, model=model, tflops=args.device_tflops, rank_r=args.rank, warmup=args.warmup, steps=args.steps, shaper_rate=shaper_rate)
     ranks = launch("bench.compress", world, cfg, namespaces=namespaces, timeout=args.timeout, what=f"{impl} {model} x{world} on {link}")
     steps = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]  # the job's step: its slowest rank's
-    return {"step_s": statistics.median(steps), "rank0": ranks[0]}
+    # CPU a step (every thread of the process, median over steps, summed over ranks): on a host
+    # with fewer cores than ranks it is what bounds a step once the link no longer does.
+    cpu = sum(statistics.median(r["cpu"]) for r in ranks)
+    return {"step_s": statistics.median(steps), "cpu_s": cpu, "rank0": ranks[0]}
 
 
 def main(argv=None) -> dict:
@@ -204,6 +212,7 @@ def main(argv=None) -> dict:
                         print(f"  {link} {model} x{args.workers} {impl}" + (f" (repeat {rep + 1})" if args.repeats > 1 else "") + f": {result['step_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
             results = {impl: median_run([r for r in rs if r]) for impl, rs in runs.items() if any(rs)}
             row = {"link": link, "model": model, **{i: results[i]["step_s"] for i in impls if i in results}}
+            row["cpu"] = {i: results[i]["cpu_s"] for i in impls if i in results}
             if "auto" in results:
                 schemes = results["auto"]["rank0"].get("schemes", {})
                 row["lossy"] = {k: v for k, v in schemes.items() if v in LOSSY}
@@ -232,6 +241,16 @@ def main(argv=None) -> dict:
         cells = " | ".join(f"{r[i] * 1e3:.1f}" if i in r else "failed" for i in impls)
         lossy = f"{len(r['lossy'])} of {r['layers']}" if "lossy" in r else "-"
         lines.append(f"| {r['link']} | {r['model']} | {cells} | {fmt(r, 'auto_vs_ddp')} | {fmt(r, 'auto_vs_ddp_powersgd')} | {fmt(r, 'auto_vs_ddp_fp16')} | {fmt(r, 'auto_vs_exact')} | {lossy} |")
+    lines += [
+        "",
+        f"CPU a step, ms: every thread of a worker process, median over its steps, summed over the {args.workers} ranks "
+        f"(this host has {os.cpu_count()} cores: past {os.cpu_count()} x the step time, the CPU bounds the step)",
+        "",
+        "| link | model | " + " | ".join(impls) + " |",
+        "|---|---|" + "---|" * len(impls),
+    ]
+    for r in rows:
+        lines.append(f"| {r['link']} | {r['model']} | " + " | ".join(f"{r['cpu'][i] * 1e3:.1f}" if i in r["cpu"] else "-" for i in impls) + " |")
     print("\n".join(lines))
     for n in notes:
         print(f"\nnote: {n}")

@@ -328,3 +328,58 @@ async def test_frames_replayed_by_set_handler_fail_like_any_other(caplog):
     server_lines = [r for r in caplog.records if r.getMessage().startswith("rank 1:")]
     assert len(server_lines) == 1 and server_lines[0].levelname == "WARNING" and text in server_lines[0].getMessage()
     assert all(r.exc_info is None for r in caplog.records), "a traceback was logged"
+
+
+# -- where recurring work runs (net.loop.Offload) ---------------------------------------------
+
+
+def _spin(cpu_s: float) -> int:
+    """Burn ``cpu_s`` of this thread's CPU (not wall time: a preempted spin takes no less)."""
+    import threading
+    import time
+
+    started = time.thread_time()
+    while time.thread_time() - started < cpu_s:
+        pass
+    return threading.get_ident()
+
+
+async def test_offload_keeps_cheap_work_on_the_loop_once_measured_and_sends_costly_work_off():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from poseidon_aio.net.loop import Offload
+
+    here = threading.get_ident()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        offload = Offload(pool, budget_s=0.02)
+        # First run of a key: on the executor, measured there. Then cheap work stays here.
+        assert await offload.run("cheap", _spin, 0.0) != here
+        assert [await offload.run("cheap", _spin, 0.0) for _ in range(3)] == [here] * 3
+        # Work over the budget never leaves the executor.
+        assert {await offload.run("costly", _spin, 0.05) for _ in range(3)} == {pool.submit(threading.get_ident).result()}
+        # Work that grows past the budget goes back at its next run, and a failure is the caller's.
+        assert await offload.run("cheap", _spin, 0.05) == here
+        assert await offload.run("cheap", _spin, 0.0) != here
+        with pytest.raises(ZeroDivisionError):
+            await offload.run("fails", lambda: 1 / 0)
+        # A budget of 0 (a GPU's work) keeps everything off the loop.
+        never = Offload(pool, budget_s=0.0)
+        assert here not in {await never.run("cheap", _spin, 0.0) for _ in range(3)}
+
+
+async def test_offload_remembers_a_bounded_number_of_keys(monkeypatch):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from poseidon_aio.net import loop
+
+    monkeypatch.setattr(loop, "OFFLOAD_KEYS", 2)
+    here = threading.get_ident()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        offload = loop.Offload(pool, budget_s=0.02)
+        for key in "abc":
+            await offload.run(key, _spin, 0.0)
+        assert (offload.inline("a"), offload.inline("b"), offload.inline("c")) == (True, True, False)
+        assert await offload.run("c", _spin, 0.0) != here  # not remembered: still off the loop
+    assert await loop.Offload(None).run("any", _spin, 0.0) == here  # no executor: in place (tests)

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import Executor
-from typing import Callable, Mapping, Optional
+from typing import Callable, Hashable, Mapping, Optional
 
 import numpy as np
 
 from ..errors import ConfigError, SyncTimeout
+from ..net.loop import Offload
 from ..wire import Kind
 from .compress import CompressionConfig, Feedback
 
@@ -70,8 +71,9 @@ class MeshExchange:
         peers: ``{rank: link}`` to every other worker.
         timeout: seconds any one collective may take.
         chunk_bytes: the largest payload sent at once (``PSConfig.chunk_bytes``: 2 MiB).
-        executor: where encoding, decoding and sums run (the loop keeps moving bytes meanwhile);
-            ``None`` runs them on the loop (tests).
+        executor: where encoding, decoding and sums run (the loop keeps moving bytes meanwhile)
+            once they cost more than a thread hop (``net.loop.Offload``); ``None`` runs them on
+            the loop (tests).
 
     >>> # mean, sent, received = await mesh.allreduce(x, half, layer=3, phase=0, clock=t, what="layer fc1")
     """
@@ -82,7 +84,7 @@ class MeshExchange:
         self._peers = dict(peers)
         self._timeout = timeout
         self._chunk_bytes = chunk_bytes
-        self._executor = executor
+        self._offload = Offload(executor)
         self._layouts: dict = {}
 
     @classmethod
@@ -90,11 +92,10 @@ class MeshExchange:
         """The exchange of a :class:`~poseidon_aio.sync.syncer.SyncContext`."""
         return cls(ctx.rank, ctx.world, ctx.peers, ctx.timeout, ctx.chunk_bytes, ctx.executor)
 
-    async def run(self, fn: Callable, *args):
-        """``fn(*args)`` on the executor (NumPy releases the GIL in its kernels)."""
-        if self._executor is None:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    async def run(self, key: Hashable, fn: Callable, *args):
+        """``fn(*args)``, a recurring piece of work known by ``key``: on the executor (NumPy
+        releases the GIL in its kernels), or on the loop where it costs less than the hop."""
+        return await self._offload.run(key, fn, *args)
 
     def chunks(self, n: int, item_bytes: int) -> list:
         """``[(owner, start, stop)]``: ``n`` values cut into P balanced slices, each in chunks of
@@ -154,7 +155,7 @@ class MeshExchange:
         theirs = [(c, owner, lo, hi) for c, (owner, lo, hi) in enumerate(layout) if owner != self.rank]
         for c, owner, _, _ in theirs:
             pending[(f"the reduced chunk {c}", owner)] = self._peers[owner].expect(Kind.AGGREGATE, frame_key(layer, phase, c), clock)
-        encoded = await self.run(lambda: [codec.encode(x[lo:hi]) for _, _, lo, hi in theirs])
+        encoded = await self.run((layer, phase, "encode"), lambda: [codec.encode(x[lo:hi]) for _, _, lo, hi in theirs])
         sent = received = 0
         sends = []
         for (c, owner, _, _), parts in zip(theirs, encoded):
@@ -179,7 +180,7 @@ class MeshExchange:
                 n += frame.header.length
             return n
 
-        received += await self.run(land)
+        received += await self.run((layer, phase, "land"), land)
         return out, sent, received
 
     async def _reduce(self, x, out, codec, c, lo, hi, layer, phase, clock, what, priority, pending) -> tuple:
@@ -196,7 +197,7 @@ class MeshExchange:
             out[lo:hi] = codec.expand(parts)  # what every peer will read
             return parts
 
-        parts = await self.run(reduce)
+        parts = await self.run((layer, phase, "reduce", c), reduce)
         key = frame_key(layer, phase, c)
         await asyncio.gather(*(conn.send(Kind.AGGREGATE, parts, key=key, clock=clock, dtype=codec.DTYPE, priority=priority) for conn in self._peers.values()))
         nbytes = sum(p.nbytes for p in parts)

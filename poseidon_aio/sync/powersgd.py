@@ -40,10 +40,10 @@ class PowerSGDSyncer(LossySyncer, Syncer):
     async def _sync(self, bucket, clock: int) -> SyncResult:
         step = PowerSGDStep(bucket.label, bucket.grads, self.config.rank, self.feedback, bucket.members)
         layer, what = bucket.layers[0], f"layer {bucket.label}"
-        p = await self._mesh.run(step.begin)
+        p = await self._mesh.run((layer, "begin"), step.begin)
         p_mean, sent_p, received_p = await self._mesh.allreduce(p, lowrank, layer=layer, phase=PHASE_P, clock=clock, what=f"PowerSGD's P of {what}", priority=bucket.priority)
-        q = await self._mesh.run(step.middle, p_mean)
+        q = await self._mesh.run((layer, "middle"), step.middle, p_mean)
         q_mean, sent_q, received_q = await self._mesh.allreduce(q, lowrank, layer=layer, phase=PHASE_Q, clock=clock, what=f"PowerSGD's Q of {what}", priority=bucket.priority)
-        arrays = await self._mesh.run(step.finish, q_mean)
+        arrays = await self._mesh.run((layer, "finish"), step.finish, q_mean)
         self._land(bucket, arrays)
         return SyncResult(sent_p + sent_q, received_p + received_q)

@@ -33,10 +33,11 @@ class TopKSyncer(LossySyncer, Syncer):
 
     async def _sync(self, bucket, clock: int) -> SyncResult:
         step = TopKStep(bucket.label, bucket.grads, self.config.ratio, self.feedback)
-        mine = await self._mesh.run(step.begin)
+        layer = bucket.layers[0]
+        mine = await self._mesh.run((layer, "begin"), step.begin)
         what = f"the top-k values of layer {bucket.label}"
         frames, sent, received = await self._mesh.allgather(
-            sparse.encode(*mine), sparse.DTYPE, layer=bucket.layers[0], phase=PHASE, clock=clock, what=what, priority=bucket.priority
+            sparse.encode(*mine), sparse.DTYPE, layer=layer, phase=PHASE, clock=clock, what=what, priority=bucket.priority
         )
 
         def finish() -> list:
@@ -44,6 +45,6 @@ class TopKSyncer(LossySyncer, Syncer):
             parts = [mine if r == self._mesh.rank else sparse.decode(frames[r], step.dense, step.k, step.size, what=where) for r in range(self._mesh.world)]
             return step.finish(parts)
 
-        arrays = await self._mesh.run(finish)
+        arrays = await self._mesh.run((layer, "finish"), finish)
         self._land(bucket, arrays)
         return SyncResult(sent, received)

@@ -41,6 +41,7 @@ from ..cluster import ClusterEnv, Manifest, Rendezvous
 from ..cluster.job import Job
 from ..errors import CheckpointError, ConfigError
 from ..net import NetConfig, Shaper, ShaperConfig
+from ..net.loop import INLINE_BUDGET_S, Offload
 from ..net.credentials import config_from_env
 from ..ps import PSConfig, PSNode
 from ..sync import (
@@ -323,6 +324,9 @@ class Trainer:
             self.net = config_from_env()  # before anything waits: a missing token fails at once
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poseidon-compute")
         self._reduce = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poseidon-reconstruct")
+        # A small model's optimizer step costs less than the hop to the compute thread and back:
+        # it runs on the loop (the compute thread is idle by then). A GPU's waits on its streams.
+        self._stepper = Offload(self._compute, budget_s=0.0 if self._gpu else INLINE_BUDGET_S)
         self._manifest = Manifest.of_arrays(self._named)
         timeout = self.ps_config.rendezvous_timeout
         self._job = await Job.join(self._manifest, self.net, timeout=timeout, env=self.env, rendezvous=self._given_rdzv, shaper=self._shaper)
@@ -668,7 +672,7 @@ class Trainer:
             for task in state.syncs:
                 task.cancel()
             raise
-        await self._loop.run_in_executor(self._compute, self._optimizer_step, state)
+        await self._stepper.run("optimizer", self._optimizer_step, state)
 
     def _optimizer_step(self, state: _Step) -> None:
         # A parameter no rank used keeps grad None so the optimizer skips it, as it would in one
