@@ -263,6 +263,59 @@ async def test_every_rank_gets_the_same_bits_and_the_pure_arithmetic_s(scheme, w
                 assert np.abs(o - e).max() <= 2**-10 * max(np.abs(g[i]).max() for g in grads for i in range(2)) * 2
 
 
+@settings(max_examples=25, deadline=None)
+@given(layers=layer_shapes, world=st.integers(2, 3), steps=st.integers(1, 3), ratio=st.sampled_from([0.05, 0.2, 0.5]), seed=st.integers(0, 10_000))
+def test_topk_merged_layers_give_each_layer_its_own_bits_and_state(layers, world, steps, ratio, seed):
+    """An MG-WFBP group of top-k layers (one all-gather, the payloads back to back) yields every
+    layer's result and error-feedback state bit for bit as its own sync would: each layer is
+    selected on its own, with its own k and error."""
+    from .memtransport import run_async
+
+    names = [f"l{i}" for i in range(len(layers))]
+    config = CompressionConfig("topk", ratio=ratio)
+    grads = _gradients(seed, world, steps, [s for layer in layers for s in layer])
+
+    def buckets(r: int, grads_r: list, outs_r: list) -> list:
+        out, first = [], 0
+        for i, (name, layer) in enumerate(zip(names, layers)):
+            params = list(range(first, first + len(layer)))
+            out.append(Bucket(name, [i], params, [outs_r[p] for p in params], grads=[grads_r[p] for p in params]))
+            first += len(layer)
+        return out
+
+    async def scenario():
+        merged, merged_fb, _ = _syncers(Scheme.TOPK, world, config)
+        alone, alone_fb, _ = _syncers(Scheme.TOPK, world, config)
+        for clock, grads_t in enumerate(grads):
+            outs = {(how, r): [np.empty(g.shape, np.float32) for g in grads_t[r]] for how in ("merged", "alone") for r in range(world)}
+            syncs = [merged[r].start(Bucket.merged(buckets(r, grads_t[r], outs[("merged", r)])), clock) for r in range(world)]
+            syncs += [alone[r].start(b, clock) for r in range(world) for b in buckets(r, grads_t[r], outs[("alone", r)])]
+            await asyncio.gather(*syncs)
+            for r in range(world):
+                assert [a.tobytes() for a in outs[("merged", r)]] == [a.tobytes() for a in outs[("alone", r)]], f"rank {r}, clock {clock}"
+        for a, b in zip(merged_fb, alone_fb):
+            sa, sb = a.state(), b.state()
+            assert sorted(sa) == sorted(sb) and all(sa[k].tobytes() == sb[k].tobytes() for k in sa)
+
+    run_async(scenario())
+
+
+async def test_a_merged_top_k_payload_with_one_layer_s_section_wrong_names_that_layer():
+    links = _mesh(2)
+    syncer = _syncers(Scheme.TOPK, 2, CompressionConfig("topk", ratio=0.2), links=links)[0][0]
+    grads = _gradients(1, 1, 1, SHAPES + SHAPES)[0][0]
+    outs = [np.empty(g.shape, np.float32) for g in grads]
+    bucket = Bucket.merged([Bucket("conv1", [3], [0, 1], outs[:2], grads=grads[:2]), Bucket("conv2", [4], [2, 3], outs[2:], grads=grads[2:])])
+    k = topk_count(6 * 2 * 3 * 3, 0.2)  # 22 of 108
+    first = [np.zeros(6, np.float32), np.arange(k, dtype=np.uint32), np.ones(k, np.float32)]
+    second = [np.zeros(6, np.float32), np.arange(k, dtype=np.uint32)[::-1].copy(), np.ones(k, np.float32)]  # decreasing
+    async with asyncio.timeout(30):
+        task = syncer.start(bucket, 2)
+        await links[1][0].send(Kind.PUSH, first + second, key=frame_key(3, 2, 0), clock=2, dtype=DType.BYTES)
+        with pytest.raises(RemoteProtocolError, match="rank 1 sent indices that do not strictly increase for the top-k values of layer conv2..conv1 at clock 2 \\(its layer conv2\\)"):
+            await task
+
+
 async def test_a_layer_s_next_clock_waits_for_its_last_one_as_error_feedback_needs():
     # Under SSP a layer's clock t + 1 may start before clock t is done: its M needs clock t's error.
     world = 2

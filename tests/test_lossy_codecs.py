@@ -123,6 +123,27 @@ def test_sparse_round_trips_bit_for_bit(parts):
     assert d.tobytes() == dense.tobytes() and i.tobytes() == idx.tobytes() and v.tobytes() == values.tobytes()
 
 
+@settings(max_examples=100, deadline=None)
+@given(layers=st.lists(sparse_parts(), min_size=1, max_size=4))
+def test_sparse_layers_back_to_back_round_trip_bit_for_bit(layers):
+    """A merged group's payload: each layer's section, back to back, decoded each on its own."""
+    payload = [p for _, dense, idx, values in layers for p in sparse.encode(dense, idx, values)]
+    layouts = [(dense.size, idx.size, size) for size, dense, idx, _ in layers]
+    decoded = sparse.decode_layers(_frame(payload, sparse.DTYPE), layouts, what=WHAT)
+    for (_, dense, idx, values), (d, i, v) in zip(layers, decoded):
+        assert d.tobytes() == dense.tobytes() and i.tobytes() == idx.tobytes() and v.tobytes() == values.tobytes()
+
+
+def test_sparse_layers_refuse_a_wrong_total_length_and_name_the_layer_of_a_bad_section():
+    good = [np.float32([1.0]), np.uint32([1, 2]), np.float32([1.0, 2.0])]
+    bad = [np.float32([1.0]), np.uint32([2, 1]), np.float32([1.0, 2.0])]
+    layouts = [(1, 2, 10), (1, 2, 10)]
+    with pytest.raises(RemoteProtocolError, match=f"rank {RANK} sent 20 bytes of BYTES for {WHAT}: expected 1 exact values and 2 .* and 1 exact"):
+        sparse.decode_layers(_frame(good, sparse.DTYPE), layouts, what=WHAT)
+    with pytest.raises(RemoteProtocolError, match=f"do not strictly increase for {WHAT} \\(its layer fc2\\)"):
+        sparse.decode_layers(_frame(good + bad, sparse.DTYPE), layouts, what=WHAT, names=["fc1", "fc2"])
+
+
 @pytest.mark.parametrize(
     "indices,match",
     [
@@ -164,6 +185,7 @@ def test_fuzz_every_decoder_returns_or_raises_remote_protocol_error_naming_layer
         lambda: half.decode(frame, n, what=WHAT),
         lambda: lowrank.decode(frame, n, what=WHAT),
         lambda: sparse.decode(frame, dense, k, size, what=WHAT),
+        lambda: sparse.decode_layers(frame, [(dense, k, size), (k, dense, size)], what=WHAT, names=["a", "b"]),
     ):
         try:
             decode()

@@ -1,5 +1,5 @@
 """Gradient compression across real worker processes: replicas identical, runs repeatable (and
-PowerSGD's the same bits with its layers merged), fp16 close to one process, error feedback
+PowerSGD's and top-k's the same bits with their layers merged), fp16 close to one process, error feedback
 through a checkpoint."""
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ def test_every_method_keeps_replicas_identical_repeats_bit_for_bit_and_fp16_trac
     for method in METHODS:
         runs.append((method, "poseidon", None, None, {"compression": _config(method)}))
         runs.append((f"{method}-again", "poseidon", None, None, {"compression": _config(method)}))
-    # PowerSGD's layers in one message (MG-WFBP's "single"): the same bits as each on its own
+    # PowerSGD's and top-k's layers in one message (MG-WFBP's "single"): the same bits as each on its own
     runs.append(("powersgd-merged", "poseidon", None, "single", {"compression": _config("powersgd")}))
+    runs.append(("topk-merged", "poseidon", None, "single", {"compression": _config("topk")}))
     res = run_workers(workers, train_worker, spec, seed, runs, steps, size, {}, timeout=300)
     for label, *_ in runs:
         params = res[0][label]["params"]
@@ -55,9 +56,10 @@ def test_every_method_keeps_replicas_identical_repeats_bit_for_bit_and_fp16_trac
         if method != "auto":
             assert set(lossy) == {method}
         assert all(res[0][method]["bytes"].get(s, 0) > 0 for s in lossy)
-    merged = res[0]["powersgd-merged"]
-    assert any(len(g) > 1 and all(merged["schemes"][n] == "powersgd" for n in g) for g in merged["groups"]), merged["groups"]
-    assert all(a.tobytes() == b.tobytes() for a, b in zip(res[0]["powersgd"]["params"], merged["params"])), "PowerSGD: merged layers gave other bits"
+    for method in ("powersgd", "topk"):
+        merged = res[0][f"{method}-merged"]
+        assert any(len(g) > 1 and all(merged["schemes"][n] == method for n in g) for g in merged["groups"]), merged["groups"]
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(res[0][method]["params"], merged["params"])), f"{method}: merged layers gave other bits"
     # fp16 against one process. Each step's aggregate is off by at most two float16 roundings
     # (a peer's contribution and the mean), (1 + 2^-11)^2 - 1 < 2^-10 relative, so at most
     # 2^-10 G per element, G the largest gradient. SGD with momentum m moves a parameter over

@@ -167,19 +167,23 @@ def test_runtime_takes_the_serial_cost_out_of_the_measured_backward_and_plans_wi
     assert shared["predicted_s"]["plan"] < shared["predicted_s"]["wfbp"]
 
 
-def test_a_powersgd_message_starts_up_twice_an_all_reduces_and_sizes_by_its_factors():
+def test_a_lossy_message_s_start_up_spread_and_size_for_mg_wfbp():
     from poseidon_aio.sync import CompressionConfig
     from poseidon_aio.sync.lossyplan import message_bytes
     from poseidon_aio.sync.runtime import MergeConfig, MergeRuntime
 
     calibration = [(s, 2 * (1e-4 + 1e-8 * s)) for s in (4096, 65536, 1 << 20)]
-    models = {s: MergeRuntime(MergeConfig(kind="algorithm1"), 0, 4, 4, s, calibration).comm_model() for s in (Scheme.ALLREDUCE, Scheme.POWERSGD)}
+    models = {s: MergeRuntime(MergeConfig(kind="algorithm1"), 0, 4, 4, s, calibration).comm_model() for s in (Scheme.ALLREDUCE, Scheme.POWERSGD, Scheme.TOPK)}
     # P, then Q from it: two rounds a message; the bytes cross the link alike
     assert models[Scheme.POWERSGD].a == pytest.approx(2 * models[Scheme.ALLREDUCE].a) and models[Scheme.POWERSGD].b == models[Scheme.ALLREDUCE].b
     # a 512 x 4608 convolution at rank 4: 4 x (512 + 4608) floats, not 512 x 4608
     assert message_bytes([(512, 512, 3, 3), (512,)], Scheme.POWERSGD, CompressionConfig(rank=4)) == 4 * (4 * (512 + 4608) + 512)
-    with pytest.raises(ConfigError, match="not a lossy scheme MG-WFBP merges"):
-        message_bytes([(64, 64)], Scheme.TOPK, CompressionConfig())
+    # top-k: one round; its payload goes whole to each of the P - 1 = 3 peers, against an
+    # all-reduce's 2 (P - 1) / P = 1.5 of its vector
+    assert models[Scheme.TOPK].a == pytest.approx(models[Scheme.ALLREDUCE].a) and models[Scheme.TOPK].b == pytest.approx(2 * models[Scheme.ALLREDUCE].b)
+    assert message_bytes([(512, 512, 3, 3), (512,)], Scheme.TOPK, CompressionConfig(ratio=0.01)) == 4 * 512 + 8 * 23593  # k = ceil(1 % of 2 359 296)
+    with pytest.raises(ConfigError, match="allreduce is not a lossy scheme"):
+        message_bytes([(64, 64)], Scheme.ALLREDUCE, CompressionConfig())
 
 
 def test_a_merge_plan_is_kept_only_if_the_slowest_ranks_step_got_faster():

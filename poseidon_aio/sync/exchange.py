@@ -250,9 +250,9 @@ class LossySyncer:
     in the bucket's host outs.
     """
 
-    # A payload cut to one layer: top-k's k is a share of its elements (merged, it would choose
-    # across layers), fp16's scale is its chunk's largest value (merged, a layer of small
-    # gradients would share a large one's scale and lose their low bits). PowerSGD says otherwise.
+    # fp16's payload is cut to one layer: its scale is its chunk's largest value (merged, a layer
+    # of small gradients would share a large one's scale and lose their low bits). PowerSGD and
+    # top-k merge, each keeping per-layer state inside the message, and say so.
     mergeable = False
     host_outs = True
 

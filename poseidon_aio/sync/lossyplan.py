@@ -37,7 +37,7 @@ from typing import Mapping, Optional
 import numpy as np
 
 from ..errors import ConfigError
-from ..wire import half
+from ..wire import half, sparse
 from .compress import Compression, CompressionConfig, Feedback, PowerSGDStep, TopKStep, rank_order_mean, split_shapes, topk_count
 from .cost import LOSSY_SCHEMES, LayerKind, Link, Scheme, predicted_time
 from .syncer import syncer_class
@@ -154,22 +154,26 @@ def unsuited(layer, scheme: Scheme, config: CompressionConfig, *, forced: bool =
 
 
 def message_bytes(shapes, scheme: Scheme, config: CompressionConfig) -> int:
-    """Bytes of one rank's part of an all-reduced lossy scheme's (fp16's, PowerSGD's) sync of
-    parameters of ``shapes``, before the all-reduce spreads them: the bytes in
-    :func:`lossy_time`, and what MG-WFBP counts as a PowerSGD layer's message (an exact layer's is
-    its parameters' bytes).
+    """Bytes of one rank's part of a lossy scheme's sync of parameters of ``shapes``: before the
+    all-reduce spreads them (fp16, PowerSGD), or the payload every peer gets (top-k's
+    all-gather). The bytes in :func:`lossy_time`, and what MG-WFBP counts as a PowerSGD or top-k
+    layer's message (an exact layer's is its parameters' bytes).
 
     >>> message_bytes([(64, 256), (64,)], Scheme.POWERSGD, CompressionConfig(rank=4))
     5376
     >>> message_bytes([(64, 256), (64,)], Scheme.FP16, CompressionConfig())
     32896
+    >>> message_bytes([(64, 256), (64,)], Scheme.TOPK, CompressionConfig(ratio=0.01))  # k = 164
+    1568
     """
     mats, vec = split_shapes(shapes)
     if scheme is Scheme.FP16:
         return half.ITEM_BYTES * (sum(m * n for m, n in mats) + vec)
     if scheme is Scheme.POWERSGD:
         return 4 * (sum(min(config.rank, m, n) * (m + n) for m, n in mats) + vec)
-    raise ConfigError(f"{scheme.value} is not a lossy scheme MG-WFBP merges (nor an all-reduced one: top-k all-gathers)")
+    if scheme is Scheme.TOPK:  # all-gathered, not all-reduced: the payload each peer gets
+        return sparse.nbytes(vec, topk_count(sum(m * n for m, n in mats), config.ratio))
+    raise ConfigError(f"{scheme.value} is not a lossy scheme")
 
 
 def lossy_time(layer, scheme: Scheme, workers: int, link: Link, config: CompressionConfig, costs: ComputeCosts, rows: int = 0) -> float:
@@ -189,9 +193,8 @@ def lossy_time(layer, scheme: Scheme, workers: int, link: Link, config: Compress
         return 2 * link.alpha + link.beta * spread * message_bytes(layer.params, scheme, config) + costs.of(scheme, d + vec) + gemm
     if scheme is Scheme.POWERSGD:
         return 4 * link.alpha + link.beta * spread * message_bytes(layer.params, scheme, config) + costs.of(scheme, d) + gemm
-    if scheme is Scheme.TOPK:
-        k = topk_count(d, config.ratio)
-        return link.alpha + link.beta * (workers - 1) * (4 * vec + 8 * k) + costs.of(scheme, d) + gemm
+    if scheme is Scheme.TOPK:  # all-gathered: (P - 1) payloads each way
+        return link.alpha + link.beta * (workers - 1) * message_bytes(layer.params, scheme, config) + costs.of(scheme, d) + gemm
     raise ConfigError(f"{scheme.value} is not a lossy scheme")
 
 

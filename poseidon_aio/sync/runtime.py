@@ -3,7 +3,7 @@
 At start-up the ranks time push/reply round trips of several sizes around a ring and fit
 ``T(p) = a + b p`` (:func:`calibrate`; HybComm's link, :func:`link_of`, comes from the same fit).
 For ``MergeConfig.after`` steps the trainer reports, per mergeable scheme (PS, all-reduce,
-PowerSGD), each step's forward time, when each of its layers' gradient was ready, and the
+PowerSGD, top-k), each step's forward time, when each of its layers' gradient was ready, and the
 intervals its syncs ran; then rank 0 refits the per-byte cost from those syncs, plans
 (``mgwfbp.merge_plan``, ``mgwfbp.optimal_plan`` or, for ``best``, both and
 ``mgwfbp.single_plan``), publishes the plans, and every rank checks their hash before adopting
@@ -203,7 +203,7 @@ class MergeRuntime:
     Args:
         config: :class:`MergeConfig` (a planned kind).
         rank, world, shards: this worker, P1 and P2.
-        scheme: the mergeable scheme whose layers it merges (PS, all-reduce, PowerSGD).
+        scheme: the mergeable scheme whose layers it merges (PS, all-reduce, PowerSGD, top-k).
         calibration: the start-up round trips (:func:`calibrate`), shared by every scheme.
     """
 
@@ -273,8 +273,14 @@ class MergeRuntime:
         round_trip = fit(*zip(*self.calibration)) if len(self.calibration) >= 2 else CommModel(0.0, 0.0)
         # A sync is a round of sends and a round of replies, like the calibration's round trip.
         # Its bytes cross the busiest link (P1 + P2 - 2) / P2 times over each way for the PS
-        # (ATC'17 Table 1, per node), 2 (P - 1) / P times for all-reduce; the round trip's once.
-        spread = (self.world + self.shards - 2) / self.shards if self.scheme is Scheme.PS else 2 * (self.world - 1) / self.world
+        # (ATC'17 Table 1, per node), 2 (P - 1) / P times for all-reduce, P - 1 times for top-k's
+        # all-gather (every peer gets the whole payload); the round trip's once.
+        if self.scheme is Scheme.PS:
+            spread = (self.world + self.shards - 2) / self.shards
+        elif self.scheme is Scheme.TOPK:
+            spread = self.world - 1
+        else:
+            spread = 2 * (self.world - 1) / self.world
         b = round_trip.b / 2 * spread
         # The start-up: the calibration's round trip, or what a message costs the event loop's
         # CPU in training, if more. On a host whose backward wants the same cores, that CPU is

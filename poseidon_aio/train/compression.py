@@ -30,7 +30,7 @@ def plan_layer(layer: Layer) -> PlanLayer:
 
 def message_bytes(layer: Layer, scheme: Scheme, config: Optional[CompressionConfig]) -> int:
     """What MG-WFBP counts as ``layer``'s message when ``scheme`` syncs it: its parameters' bytes,
-    or, for PowerSGD (the lossy scheme it merges), one rank's factor bytes."""
+    or, for the lossy schemes it merges, one rank's factor bytes (PowerSGD) or payload (top-k)."""
     if scheme in LOSSY_SCHEMES:
         return lossy_bytes([tuple(p.shape) for _, p in layer.params], scheme, config or CompressionConfig())
     return sum(p.numel() * p.element_size() for _, p in layer.params)

@@ -10,13 +10,17 @@ little-endian (payload dtype ``BYTES``):
 3. ``k`` float32: the values at those indices.
 
 ``4e + 8k`` bytes. ``e``, ``k`` and ``d`` follow from the model and the job's top-k ratio, which
-every rank agrees on (the compression settings' digest), so none is sent. A receiver refuses a
+every rank agrees on (the compression settings' digest), so none is sent. A message of several
+layers (an MG-WFBP group) carries their sections back to back in model order, each layer with
+its own ``e``, ``k`` and ``d`` (:func:`decode_layers`). A receiver refuses a
 payload of another length, an index at or past ``d``, and indices that are not strictly
 increasing (a repeated index would count a value twice); values are not refused (a diverged
 step's inf or nan reaches every replica, as an exact scheme would carry it).
 """
 
 from __future__ import annotations
+
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -60,24 +64,44 @@ def decode(frame: Frame, dense: int, k: int, size: int, *, what: str) -> tuple:
         RemoteProtocolError: a payload of another length or dtype, an index out of range, or
             indices not strictly increasing.
     """
-    length = frame.header.length
-    if frame.header.dtype is not DTYPE or length != nbytes(dense, k):
+    return decode_layers(frame, [(dense, k, size)], what=what)[0]
+
+
+def decode_layers(frame: Frame, layouts: Sequence[tuple], *, what: str, names: Optional[Sequence[str]] = None) -> list:
+    """Each layer's ``(dense values, indices, values)`` of a payload holding several layers'
+    sections back to back (views of it, no copy).
+
+    Args:
+        layouts: ``(dense, k, size)`` of each layer, in the order sent (model order).
+        what: names the message and clock in the error message.
+        names: each layer's name, for an error in its section.
+    Raises:
+        RemoteProtocolError: as :func:`decode`, naming the layer whose section is wrong.
+    """
+    length, expected = frame.header.length, sum(nbytes(dense, k) for dense, k, _ in layouts)
+    if frame.header.dtype is not DTYPE or length != expected:
+        counts = " and ".join(f"{dense} exact values and {k} index-value pairs" for dense, k, _ in layouts)
         raise RemoteProtocolError(
-            f"rank {frame.rank} sent {length} bytes of {frame.header.dtype.name} for {what}: expected {dense} exact values and "
-            f"{k} index-value pairs ({nbytes(dense, k)} bytes of BYTES) — do the ranks build the same model with the same top-k ratio?"
+            f"rank {frame.rank} sent {length} bytes of {frame.header.dtype.name} for {what}: expected {counts} ({expected} bytes of BYTES) "
+            "— do the ranks build the same model with the same top-k ratio?"
         )
     raw = np.frombuffer(frame.payload, dtype=np.uint8)
-    exact = raw[: 4 * dense].view(np.float32)
-    indices = raw[4 * dense : 4 * dense + 4 * k].view(np.uint32)
-    values = raw[4 * dense + 4 * k :].view(np.float32)
-    if k:
-        top = int(indices.max())
-        if top >= size:
-            raise RemoteProtocolError(f"rank {frame.rank} sent the index {top} for {what}, whose matrices hold {size} values")
-        if k > 1 and not bool(np.all(indices[1:] > indices[:-1])):
-            at = int(np.argmin(indices[1:] > indices[:-1]))
-            raise RemoteProtocolError(
-                f"rank {frame.rank} sent indices that do not strictly increase for {what} (position {at + 1}: "
-                f"{int(indices[at])} then {int(indices[at + 1])}): a repeated index would count a value twice"
-            )
-    return exact, indices, values
+    out, at = [], 0
+    for n, (dense, k, size) in enumerate(layouts):
+        where = what if names is None or len(layouts) == 1 else f"{what} (its layer {names[n]})"
+        exact = raw[at : at + 4 * dense].view(np.float32)
+        indices = raw[at + 4 * dense : at + 4 * dense + 4 * k].view(np.uint32)
+        values = raw[at + 4 * dense + 4 * k : at + nbytes(dense, k)].view(np.float32)
+        at += nbytes(dense, k)
+        if k:
+            top = int(indices.max())
+            if top >= size:
+                raise RemoteProtocolError(f"rank {frame.rank} sent the index {top} for {where}, whose matrices hold {size} values")
+            if k > 1 and not bool(np.all(indices[1:] > indices[:-1])):
+                i = int(np.argmin(indices[1:] > indices[:-1]))
+                raise RemoteProtocolError(
+                    f"rank {frame.rank} sent indices that do not strictly increase for {where} (position {i + 1}: "
+                    f"{int(indices[i])} then {int(indices[i + 1])}): a repeated index would count a value twice"
+                )
+        out.append((exact, indices, values))
+    return out
