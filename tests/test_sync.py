@@ -95,6 +95,17 @@ async def test_merging_sends_a_group_once_its_last_layer_is_ready_and_the_rest_a
     assert sum(r.bytes_sent for r in results[1:]) == 6 and all(r.dropped == (2,) for r in results)
 
 
+async def test_merging_takes_a_whole_group_at_once_in_model_order_and_refuses_part_of_one():
+    inner = _Recorder()
+    merging = Merging(inner, [[0], [1, 2, 3], [4]])
+    result = await merging.start_group([_bucket(layer) for layer in (3, 1, 2)], 5)  # any order
+    ((merged, clock),) = inner.started
+    assert clock == 5 and merged.label == "l3..l1" and merged.params == (2, 3, 4, 5, 6, 7) and result.bytes_sent == 6
+    for layers in ([1, 2], [1, 2, 3, 4], [1, 1, 2, 3], [0]):
+        with pytest.raises(ConfigError, match="one whole merge group"):
+            merging.start_group([_bucket(layer) for layer in layers], 5)
+
+
 def test_cpu_tensors_are_their_own_host_buffers():
     staging = Staging()
     t = torch.arange(6, dtype=torch.float32).reshape(2, 3)

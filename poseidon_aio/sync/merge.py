@@ -54,6 +54,19 @@ class Merging(Syncer):
                 f.add_done_callback(lambda f: f.cancelled() and task.cancel())
         return fut
 
+    def start_group(self, buckets: Sequence[Bucket], clock: int) -> asyncio.Future:
+        """A whole group's buckets at once, any order: one message, no future per member (the
+        trainer holds a group's layers until the last is in, then hands them over together).
+
+        Raises:
+            ConfigError: the buckets are not exactly one group's layers.
+        """
+        by_layer = {b.layers[0]: b for b in buckets}
+        g = self._group_of.get(buckets[0].layers[0]) if buckets else None
+        if g is None or set(by_layer) != set(self.groups[g]) or len(by_layer) != len(buckets):
+            raise ConfigError(f"a merged message takes one whole merge group; got layers {sorted(by_layer)} (groups {self.groups})")
+        return asyncio.ensure_future(self.inner.start(Bucket.merged([by_layer[m] for m in self.groups[g]]), clock))
+
 
 def _settle(task: asyncio.Task, futures: list) -> None:
     for fut in futures:
