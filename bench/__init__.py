@@ -64,3 +64,11 @@ def launch(module: str, world: int, cfg: dict, *, namespaces=None, timeout: floa
 def median_run(runs: list) -> dict:
     """The run whose step time is the median of the repeats (the lower one of an even count)."""
     return sorted(runs, key=lambda r: r["step_s"])[(len(runs) - 1) // 2]
+
+
+def job_cpu(ranks: list) -> float:
+    """CPU seconds a step, every thread of each worker process (gloo's included), median per rank,
+    summed over ranks: what the job asks of the host's cores each step (each rank's ``"cpu"``)."""
+    import statistics
+
+    return sum(statistics.median(r["cpu"]) for r in ranks)

@@ -46,7 +46,7 @@ import statistics
 import sys
 import time
 
-from bench import launch, median_run
+from bench import job_cpu, launch, median_run
 
 IMPLS = ["ddp", "ddp_powersgd", "ddp_fp16", "exact", "auto"]
 RATES = {"1gbit": ("1gbit", 125e6), "100mbit": ("100mbit", 12.5e6)}
@@ -158,10 +158,8 @@ def run_config(impl: str, model: str, world: int, link: str, args, namespaces) -
     cfg = dict(impl=impl, model=model, tflops=args.device_tflops, rank_r=args.rank, warmup=args.warmup, steps=args.steps, shaper_rate=shaper_rate)
     ranks = launch("bench.compress", world, cfg, namespaces=namespaces, timeout=args.timeout, what=f"{impl} {model} x{world} on {link}")
     steps = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]  # the job's step: its slowest rank's
-    # CPU a step (every thread of the process, median over steps, summed over ranks): on a host
-    # with fewer cores than ranks it is what bounds a step once the link no longer does.
-    cpu = sum(statistics.median(r["cpu"]) for r in ranks)
-    return {"step_s": statistics.median(steps), "cpu_s": cpu, "rank0": ranks[0]}
+    # On a host with fewer cores than ranks the job's CPU a step bounds a step once the link no longer does.
+    return {"step_s": statistics.median(steps), "cpu_s": job_cpu(ranks), "rank0": ranks[0]}
 
 
 def main(argv=None) -> dict:

@@ -38,7 +38,7 @@ import statistics
 import sys
 import time
 
-from bench import launch, median_run
+from bench import job_cpu, launch, median_run
 
 IMPLS = ["ddp", "wfbp", "poseidon"]
 RATES = {"1gbit": ("1gbit", 125e6), "100mbit": ("100mbit", 12.5e6)}
@@ -143,9 +143,7 @@ def run_config(impl: str, model: str, world: int, link: str, compute: str, args,
     ranks = launch("bench.train", world, cfg, namespaces=namespaces, timeout=args.timeout, what=f"{impl} {model} x{world} on {link} ({compute})")
     # The job's step is its slowest rank's.
     steps = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
-    # CPU seconds a step, every thread of the process (gloo's included), median per rank, summed
-    # over ranks: what the job asks of the host's cores each step.
-    result = {"step_s": statistics.median(steps), "rank0": ranks[0], "cpu_s": sum(statistics.median(r["cpu"]) for r in ranks)}
+    result = {"step_s": statistics.median(steps), "rank0": ranks[0], "cpu_s": job_cpu(ranks)}
     if "loop_cpu_s" in ranks[0]:
         result["loop_cpu_s"] = [r["loop_cpu_s"] for r in ranks]
     if "bytes" in ranks[0]:

@@ -598,14 +598,7 @@ class Trainer:
             state.ready_at[layer.index] = ready_at
         first, last = min(layer.index for layer, _ in held), max(layer.index for layer, _ in held)
         span = Span(f"{self.layers[last].name}..{self.layers[first].name}", scheme, max(r for _, r in held), time.perf_counter())
-        state.spans.append(span)
-        try:
-            sync = syncer.start_group([self._bucket(state, layer, scheme) for layer, _ in held], state.clock)
-        except Exception as exc:  # noqa: BLE001 - it fails the step, as a failed sync does
-            sync = self._loop.create_future()
-            sync.set_exception(exc)
-        sync.add_done_callback(lambda fut: self._synced(state, scheme, span, fut))
-        state.syncs.append(sync)
+        self._start(state, scheme, span, lambda: syncer.start_group([self._bucket(state, layer, scheme) for layer, _ in held], state.clock))
 
     def _launch(self, state: _Step, layer: Layer, ready_at: Optional[float] = None) -> None:
         if layer.index in state.launched:
@@ -617,15 +610,19 @@ class Trainer:
         state.ready_at[layer.index] = ready_at or time.perf_counter()
         scheme = self.schemes[layer.index]
         span = Span(layer.name, scheme, state.ready_at[layer.index], time.perf_counter())
-        state.spans.append(span)
         if self._gpu:  # the host copies wait on CUDA streams: off the loop
-            sync = asyncio.ensure_future(self._staged_sync(state, layer, scheme))
+            self._start(state, scheme, span, lambda: asyncio.ensure_future(self._staged_sync(state, layer, scheme)))
         else:  # CPU tensors are their own host buffers: start at once, no task of our own
-            try:
-                sync = self._syncers[scheme].start(self._bucket(state, layer, scheme), state.clock)
-            except Exception as exc:  # noqa: BLE001 - it fails the step, as a failed sync does
-                sync = self._loop.create_future()
-                sync.set_exception(exc)
+            self._start(state, scheme, span, lambda: self._syncers[scheme].start(self._bucket(state, layer, scheme), state.clock))
+
+    def _start(self, state: _Step, scheme: Scheme, span: Span, start: Callable[[], asyncio.Future]) -> None:
+        """Start one sync of ``state``'s step (``start()``: its syncer's call), traced by ``span``."""
+        state.spans.append(span)
+        try:
+            sync = start()
+        except Exception as exc:  # noqa: BLE001 - it fails the step, as a failed sync does
+            sync = self._loop.create_future()
+            sync.set_exception(exc)
         sync.add_done_callback(lambda fut: self._synced(state, scheme, span, fut))
         state.syncs.append(sync)
 
