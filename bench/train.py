@@ -103,7 +103,7 @@ def worker(cfg: dict) -> None:
 
         async def main():
             stats = []
-            ps = poseidon_aio.PSConfig(allreduce=cfg["allreduce"])
+            ps = poseidon_aio.PSConfig(allreduce=cfg["allreduce"], group_spread_bytes=cfg.get("group_spread_bytes"))
             merge = MergeConfig(kind=cfg["merge"]) if cfg.get("merge") and cfg["impl"] != "wfbp" else None
             async with poseidon_aio.Trainer(model, opt, loss_fn, mode=cfg["impl"], net=net, ps=ps, merge=merge) as trainer:
                 for t in range(total):
@@ -139,7 +139,7 @@ def worker(cfg: dict) -> None:
 
 def run_config(impl: str, model: str, world: int, link: str, compute: str, args, namespaces) -> dict:
     shaper_rate = RATES[link][1] if link != "loopback" and not namespaces and impl != "ddp" else None
-    cfg = dict(impl=impl, model=model, compute=compute, tflops=args.device_tflops, warmup=args.warmup, steps=args.steps, shaper_rate=shaper_rate, allreduce=args.allreduce, merge=args.merge)
+    cfg = dict(impl=impl, model=model, compute=compute, tflops=args.device_tflops, warmup=args.warmup, steps=args.steps, shaper_rate=shaper_rate, allreduce=args.allreduce, merge=args.merge, group_spread_bytes=args.group_spread_bytes)
     ranks = launch("bench.train", world, cfg, namespaces=namespaces, timeout=args.timeout, what=f"{impl} {model} x{world} on {link} ({compute})")
     # The job's step is its slowest rank's.
     steps = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
@@ -175,6 +175,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--device-tflops", type=float, default=6.0, help="replayed device rate, TFLOP/s")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--allreduce", default="auto", choices=("auto", "ring", "direct"), help="PSConfig.allreduce for our runs")
+    parser.add_argument("--group-spread-bytes", type=int, default=None, help="PSConfig.group_spread_bytes for our runs (0: every merge group on one shard; default: from the measured link)")
     parser.add_argument("--merge", default=None, choices=("none", "algorithm1", "optimal", "best", "single", "buckets"), help="MergeConfig.kind for our runs (default: the trainer's)")
     args = parser.parse_args(argv)
     if args.repeats < 1:

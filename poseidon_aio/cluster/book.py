@@ -13,9 +13,11 @@ most P2 - 1 more pairs. Stock TensorFlow's one-tensor-per-shard round robin
 (``placement="tensor"``) is kept for comparison: it puts a 400 MB FC weight on one shard.
 
 Messages: what travels in one frame. A message carries keys of one shard, packed in key order up
-to ``chunk_bytes``; by default every parameter is its own group, so a message is one key. Groups
-of several parameters (the MG-WFBP merge plan) pack their small keys into fewer messages: those
-keys are placed on one shard together (up to a chunk per shard), so merging really saves frames.
+to ``chunk_bytes``; by default every parameter is its own group, so a message is one key. A group
+of several parameters (the MG-WFBP merge plan) is cut into one run of keys per shard, of nearly
+equal bytes, before anything else is placed: it travels as one message per shard (a reduce-
+scatter's shape), so merging saves the frames of its small layers and its bytes still use every
+link both ways at once (a group under 2 x ``SPREAD_MIN_BYTES`` stays on one shard).
 """
 
 from __future__ import annotations
@@ -32,6 +34,23 @@ from .manifest import Manifest
 DEFAULT_CHUNK_BYTES = 2 << 20
 # The most a shard may hold over the mean before a key-value pair is split to even it out.
 BALANCE = 1.05
+# The least bytes of a merge group a shard gets when the group is spread over the shards, where
+# no link says more (spread_bytes_for): a message costs the event loop ~0.1-0.25 ms, the time of
+# 12-31 KB at 1 Gbit; under a run of this, its start-up is not paid back by its bytes.
+SPREAD_MIN_BYTES = 64 << 10
+
+
+def spread_bytes_for(alpha: float, beta: float) -> int:
+    """The least run of a merge group worth a message of its own on a link of ``alpha`` seconds
+    a message and ``beta`` seconds a byte: the bytes whose time is a start-up, at least
+    ``SPREAD_MIN_BYTES``.
+
+    >>> spread_bytes_for(150e-6, 8e-9), spread_bytes_for(5.7e-3, 0.8e-9)
+    (65536, 7125000)
+    """
+    if alpha <= 0 or beta <= 0:
+        return SPREAD_MIN_BYTES
+    return max(SPREAD_MIN_BYTES, int(round(alpha / beta)))
 
 
 @dataclass(frozen=True)
@@ -77,6 +96,8 @@ class InformationBook:
         factored: fully-connected layers synced by the Project-Adam scheme, ``[weight, bias]``
             names each: their keys all live on one shard, which rebuilds the matrix from the
             workers' sufficient factors (a FACTORS frame keyed by the layer's first message).
+        spread_bytes: the least bytes of a merge group a shard gets when the group is spread
+            over the shards (:func:`spread_bytes_for` a link); 0 keeps every group on one shard.
 
     >>> from poseidon_aio.cluster.manifest import ParamSpec
     >>> book = InformationBook(Manifest([ParamSpec("w", (1024, 1024))]), workers=2, shards=2)
@@ -94,6 +115,7 @@ class InformationBook:
         groups: Optional[Sequence[Sequence[str]]] = None,
         placement: str = "balanced",
         factored: Optional[Sequence[Sequence[str]]] = None,
+        spread_bytes: int = SPREAD_MIN_BYTES,
     ) -> None:
         if workers < 1 or shards < 1:
             raise ConfigError(f"need at least one worker and one shard, got {workers} and {shards}")
@@ -101,6 +123,9 @@ class InformationBook:
             raise ConfigError(f"placement must be 'balanced' or 'tensor', got {placement!r}")
         if chunk_bytes < 64:
             raise ConfigError(f"chunk_bytes must be at least 64, got {chunk_bytes}")
+        if spread_bytes < 0:
+            raise ConfigError(f"spread_bytes must be >= 0 (0: every merge group on one shard), got {spread_bytes}")
+        self.spread_bytes = spread_bytes
         self.manifest = manifest
         self.workers = workers
         self.shards = shards
@@ -143,45 +168,85 @@ class InformationBook:
                 offset += numel
         if self.placement == "tensor":
             shard_of = [i % self.shards for i in range(len(cuts))]
-        else:
-            # Placement units: the small keys of a merge group, packed in key order up to a chunk,
-            # go to one shard together, so a merged group of small layers is one message, not one
-            # per shard; every other key is a unit of its own. LPT over the units.
-            units, current, size, owner = [], [], 0, None
-            for key, (param, _, _, nbytes) in enumerate(cuts):
-                group = self._group_index.get(param, ("solo", param))
-                # A factored layer is one unit, whatever its size: one shard rebuilds it.
-                small = nbytes < self.chunk_bytes or param in self._whole
-                if param in self._whole and current and group == owner:
-                    current.append(key)
-                    size += nbytes
-                    continue
-                if current and (not small or group != owner or size + nbytes > self.chunk_bytes):
-                    units.append((current, size))
-                    current, size = [], 0
-                if not small:
-                    units.append(([key], nbytes))
-                    continue
+            return tuple(KVPair(k, p, o, n, b, shard_of[k]) for k, (p, o, n, b) in enumerate(cuts))
+        # A merge group is spread first, evenly over the shards (see _spread); the other keys are
+        # then placed around it: the small keys of a factored layer go to one shard together (one
+        # shard rebuilds it), every other key is a unit of its own. LPT over the units.
+        spread = [c for c in cuts if c[0] in self._group_index and c[0] not in self._whole]
+        rest = [c for c in cuts if not (c[0] in self._group_index and c[0] not in self._whole)]
+        placed, load = self._spread(spread)
+        units, current, size, owner = [], [], 0, None
+        for key, (param, _, _, nbytes) in enumerate(rest):
+            group = self._group_index.get(param, ("solo", param))
+            if param in self._whole and current and group == owner:
                 current.append(key)
                 size += nbytes
-                owner = group
+                continue
             if current:
                 units.append((current, size))
-            cuts, shard_of = self._place(cuts, units)
-        return tuple(KVPair(k, p, o, n, b, shard_of[k]) for k, (p, o, n, b) in enumerate(cuts))
+                current, size = [], 0
+            if param not in self._whole:
+                units.append(([key], nbytes))
+                continue
+            current.append(key)
+            size += nbytes
+            owner = group
+        if current:
+            units.append((current, size))
+        rest, shard_of = self._place(rest, units, load)
+        every = sorted([*placed, *((*cut, shard) for cut, shard in zip(rest, shard_of))])
+        return tuple(KVPair(k, p, o, n, b, shard) for k, (p, o, n, b, shard) in enumerate(every))
 
-    def _place(self, cuts: list, units: list) -> tuple:
+    def _spread(self, cuts: list) -> tuple:
+        """Each merge group's keys cut into ``s`` runs of nearly equal bytes, one per shard, the
+        least-loaded shards first: ``([(param, offset, numel, nbytes, shard)], load per shard)``.
+
+        ``s`` is P2, or fewer where a run would be under ``spread_bytes``. A merged message
+        on one shard is pushed whole over one link and then replied whole over the other
+        direction, one after the other; spread, every worker's pushes and every shard's replies
+        use all links both ways at once, and its bytes cross the busiest link (P1 + P2 - 2) / P2
+        times each way, as Table 1 and the merge planner count them (2 workers: a ResNet-20
+        merged into one message ran 13.4 ms a step on one shard against 7.6 unmerged).
+        """
+        load = [0] * self.shards
+        placed = []
+        by_group: dict = {}
+        for cut in cuts:
+            by_group.setdefault(self._group_index[cut[0]], []).append(cut)
+        for group in sorted(by_group):
+            group_cuts = by_group[group]
+            total = sum(c[3] for c in group_cuts)
+            runs = max(1, min(self.shards, total // self.spread_bytes)) if self.spread_bytes else 1
+            targets = sorted(range(self.shards), key=lambda s: (load[s], s))[:runs]
+            run, done = 0, 0  # the run being filled; the group's bytes placed so far
+            for param, offset, numel, nbytes in group_cuts:
+                itemsize = nbytes // numel if numel else 1
+                while numel:
+                    # Run r ends within an item of byte total (r + 1) / s of the group.
+                    want = total * (run + 1) // runs - done
+                    take = numel if run == runs - 1 else min(numel, max(0, want) // itemsize)
+                    if take:
+                        placed.append((param, offset, take, take * itemsize, targets[run]))
+                        load[targets[run]] += take * itemsize
+                        offset, numel, done = offset + take, numel - take, done + take * itemsize
+                    if numel:
+                        run += 1
+        return placed, load
+
+    def _place(self, cuts: list, units: list, load: list) -> tuple:
         """LPT over the units, splitting the one that would push the least-loaded shard past
         ``BALANCE`` x the mean: it fills that shard and the rest goes back in the queue. Every
         split fills a shard, so there are at most P2 - 1 of them: a model whose tensors are all
         far smaller than a chunk (a 67 k-parameter CNN over 4 shards) gets each shard its share
-        for at most 3 more key-value pairs. Factored layers and merge groups are never split.
-        Returns the cuts (split ones in two, in (param, offset) order) and their shards."""
-        total = sum(nbytes for _, nbytes in units)
+        for at most 3 more key-value pairs. Factored layers are never split. ``load``: the bytes
+        each shard holds already (the merge groups'). Returns the cuts (split ones in two, in
+        (param, offset) order) and their shards."""
+        total = sum(nbytes for _, nbytes in units) + sum(load)
         cap = BALANCE * total / self.shards
         pieces = [list(cuts[k]) for k in range(len(cuts))]  # mutable: a split shortens one
         shard_of: dict = {}
-        load = [(0, s) for s in range(self.shards)]
+        load = [(used, s) for s, used in enumerate(load)]
+        heapq.heapify(load)
         queue = [(-nbytes, keys[0], keys) for keys, nbytes in units]
         heapq.heapify(queue)
         while queue:
@@ -189,9 +254,8 @@ class InformationBook:
             size = -size
             used, shard = heapq.heappop(load)
             room = cap - used
-            # Never split: a factored layer (one shard rebuilds it) or a merge group (MG-WFBP chose
-            # one message over the bytes it saves; splitting would add the start-up it saved).
-            whole = used + size <= cap or any(pieces[k][0] in self._whole or pieces[k][0] in self._group_index for k in keys)
+            # Never split a factored layer: one shard rebuilds it.
+            whole = used + size <= cap or any(pieces[k][0] in self._whole for k in keys)
             if not whole:
                 taken, rest = self._take(pieces, keys, room)
                 if taken:
@@ -282,6 +346,7 @@ class InformationBook:
                 "shards": self.shards,
                 "chunk_bytes": self.chunk_bytes,
                 "placement": self.placement,
+                "spread_bytes": self.spread_bytes,
                 "pairs": [[p.key, p.param, p.offset, p.numel, p.shard] for p in self.pairs],
                 "messages": [[m.id, m.shard, list(m.keys)] for m in self.messages],
             },

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from ..cluster.book import DEFAULT_CHUNK_BYTES
+from ..cluster.book import DEFAULT_CHUNK_BYTES, SPREAD_MIN_BYTES
 from ..errors import ConfigError
 
 
@@ -95,6 +95,11 @@ class PSConfig:
             2 steps instead of 2 (P - 1), P - 1 flows each way) or ``"auto"``: round the ring
             from slices of ``cost.RING_MIN_SLICE_BYTES`` (64 KiB) up, direct below. See
             ``poseidon_aio.sync.allreduce``.
+        group_spread_bytes: a merge group's keys are spread over the shards in runs of at
+            least this many bytes (one message per shard: every link busy both ways at once);
+            0 keeps every group on one shard. ``None``: the trainer takes the bytes of one
+            message start-up on its measured link (``cluster.book.spread_bytes_for``), at least
+            64 KiB.
     """
 
     shards: Optional[int] = None
@@ -110,6 +115,7 @@ class PSConfig:
     standalone_shards: bool = False
     outbox_bytes: Optional[int] = None
     allreduce: str = "auto"
+    group_spread_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.shards is not None and self.shards < 1:
@@ -124,6 +130,8 @@ class PSConfig:
             raise ConfigError("PSConfig timeouts must be > 0 seconds")
         if self.allreduce not in ("auto", "ring", "direct"):
             raise ConfigError(f"PSConfig.allreduce must be 'auto', 'ring' or 'direct', got {self.allreduce!r}")
+        if self.group_spread_bytes is not None and self.group_spread_bytes < 0:
+            raise ConfigError(f"PSConfig.group_spread_bytes must be >= 0 (0: every merge group on one shard), got {self.group_spread_bytes}")
         if self.outbox_bytes is not None and self.outbox_bytes < 1:
             raise ConfigError(f"PSConfig.outbox_bytes must be >= 1 byte, got {self.outbox_bytes}")
 
@@ -136,6 +144,10 @@ class PSConfig:
         if shards > workers:
             raise ConfigError(f"PSConfig.shards={shards} but only {workers} workers host shards")
         return shards
+
+    def spread_bytes(self) -> int:
+        """``group_spread_bytes``, or the book's default where no link has set it."""
+        return SPREAD_MIN_BYTES if self.group_spread_bytes is None else self.group_spread_bytes
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

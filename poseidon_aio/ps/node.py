@@ -155,7 +155,7 @@ class PSNode:
         shards = config.shards_for(workers)
         self.book = InformationBook(
             manifest, workers=workers, shards=shards, chunk_bytes=config.chunk_bytes, groups=groups,
-            placement=config.placement, factored=self._factored,
+            placement=config.placement, factored=self._factored, spread_bytes=config.spread_bytes(),
         )
         await rdzv.check_digest("information book", self.book.digest())
         index = None if config.standalone_shards or env.rank >= shards else env.rank

@@ -74,6 +74,7 @@ async def _join(rdzv: Rendezvous, index: int, workers: int, net, env: ClusterEnv
     book = InformationBook(
         manifest, workers=workers, shards=config.shards, chunk_bytes=config.chunk_bytes,
         groups=setup["groups"] or None, placement=config.placement, factored=setup.get("factored") or None,
+        spread_bytes=config.spread_bytes(),
     )
     theirs = await rdzv.read("digest/information book/0", who="rank 0")
     if theirs != book.digest():

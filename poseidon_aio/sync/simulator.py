@@ -82,7 +82,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ..cluster.book import DEFAULT_CHUNK_BYTES, InformationBook
+from ..cluster.book import DEFAULT_CHUNK_BYTES, InformationBook, spread_bytes_for
 from ..cluster.manifest import Manifest, ParamSpec
 from ..cluster.models import Trace
 from ..errors import ConfigError
@@ -514,9 +514,10 @@ def _ddp_buckets(layers: list) -> list:
     return out
 
 
-def _ps_messages(layers: list, groups: list, workers: int, chunk_bytes: int) -> list:
+def _ps_messages(layers: list, groups: list, workers: int, chunk_bytes: int, spread_bytes: int) -> list:
     """Per PS group, its messages ``[(shard, bytes)]`` from the information book the trainer
-    builds: the PS layers' parameters in model order, multi-layer merge groups passed as groups."""
+    builds: the PS layers' parameters in model order, multi-layer merge groups passed as groups
+    and spread over the shards in runs of ``spread_bytes`` or more."""
     on_ps = [layer for layer in layers if layer.scheme is Scheme.PS]
     if not on_ps:
         return [[] for _ in groups]
@@ -526,7 +527,7 @@ def _ps_messages(layers: list, groups: list, workers: int, chunk_bytes: int) -> 
             owner[len(specs)] = layer.index
             specs.append(ParamSpec(name, shape))
     names = [[n for i in g for n in layers[i].params] for g in groups if len(g) > 1]
-    book = InformationBook(Manifest(specs), workers=workers, shards=workers, chunk_bytes=chunk_bytes, groups=names or None)
+    book = InformationBook(Manifest(specs), workers=workers, shards=workers, chunk_bytes=chunk_bytes, groups=names or None, spread_bytes=spread_bytes)
     group_of = {i: g for g, members in enumerate(groups) for i in members}
     out = [[] for _ in groups]
     for m in book.messages:
@@ -775,7 +776,8 @@ def _calibration(net: tuple) -> list:
 def _run(layers: list, workers: int, rate: float, net: tuple, chunk_bytes: int, mode: str, groups: dict, allreduce: str = "auto") -> _Simulation:
     sim = _Simulation(layers, workers, rate, net, chunk_bytes, allreduce)
     ps_groups = groups.get(Scheme.PS, [])
-    messages = _ps_messages(layers, ps_groups, workers, chunk_bytes)
+    link = link_of(_calibration(net))  # the trainer spreads its merge groups by its measured link
+    messages = _ps_messages(layers, ps_groups, workers, chunk_bytes, spread_bytes_for(link.alpha, link.beta))
     end_of_backward = sum(layer.forward + layer.backward for layer in layers)
     starts = []  # (ready, order, fn, args)
     for g, members in enumerate(ps_groups):

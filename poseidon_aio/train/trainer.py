@@ -38,6 +38,7 @@ from torch import nn
 
 from .. import kernels
 from ..cluster import ClusterEnv, Manifest, Rendezvous
+from ..cluster.book import spread_bytes_for
 from ..cluster.job import Job
 from ..errors import CheckpointError, ConfigError
 from ..net import NetConfig, Shaper, ShaperConfig
@@ -262,6 +263,7 @@ class Trainer:
         self._trial_at = 0  # the one running now
         self._trial_from: Optional[int] = None  # the clock of its first step
         self._calibration: list = []
+        self._link: Optional[Link] = None  # rank 0's alpha and beta, once agreed
         self._loop_cpu_per_byte = 0.0  # the event loop's CPU per byte in or out, measured at start
         self._kernel_flop = 0.0  # seconds per FLOP of the sufficient-factor kernel, measured at start
         self._ready: dict = {}
@@ -771,11 +773,13 @@ class Trainer:
     async def _agreed_link(self) -> Link:
         """Rank 0's measured alpha and beta, on every rank: each rank measures its own, and one
         plan needs one link."""
-        if self.rank == 0:
-            link = link_of(self._calibration, self._kernel_flop)
-            await self._job.rendezvous.publish("hybcomm-link", json.dumps([link.alpha, link.beta, link.flop]))
-        alpha, beta, flop = json.loads(await self._job.rendezvous.read("hybcomm-link", who="rank 0"))
-        return Link(alpha, beta, flop)
+        if self._link is None:
+            if self.rank == 0:
+                link = link_of(self._calibration, self._kernel_flop)
+                await self._job.rendezvous.publish("hybcomm-link", json.dumps([link.alpha, link.beta, link.flop]))
+            alpha, beta, flop = json.loads(await self._job.rendezvous.read("hybcomm-link", who="rank 0"))
+            self._link = Link(alpha, beta, flop)
+        return self._link
 
     @property
     def merge_groups(self) -> list:
@@ -827,8 +831,12 @@ class Trainer:
         factored = [[n for n, _ in layer.params] for layer in on_ps if syncer_class(self.schemes[layer.index]).factored]
         manifest = Manifest.of_arrays(self._named[i] for i in sorted(ps_index, key=ps_index.get))
         saved = (self._restored or {}).get("shard") if self._generation == 0 else None
+        config = self.ps_config
+        if names and config.group_spread_bytes is None:  # one value on every rank: rank 0's link
+            link = await self._agreed_link()
+            config = replace(config, group_spread_bytes=spread_bytes_for(link.alpha, link.beta))
         self._node = await PSNode.start(
-            manifest, self.ps_config, net=self.net, groups=names or None, start_clock=self.clock,
+            manifest, config, net=self.net, groups=names or None, start_clock=self.clock,
             rendezvous=self._job.rendezvous.scoped(f"ps{self._generation}"), process_shaper=self._shaper,
             factored=factored or None, shard_state={k: v.numpy() for k, v in saved.items()} if saved else None,
         )
