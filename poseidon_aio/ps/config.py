@@ -97,9 +97,9 @@ class PSConfig:
             ``poseidon_aio.sync.allreduce``.
         group_spread_bytes: a merge group's keys are spread over the shards in runs of at
             least this many bytes (one message per shard: every link busy both ways at once);
-            0 keeps every group on one shard. ``None``: the trainer takes the bytes of one
-            message start-up on its measured link (``cluster.book.spread_bytes_for``), at least
-            64 KiB.
+            0 keeps every group on one shard. ``None``: the trainer takes the bytes of P2
+            message start-ups on its measured link (``cluster.book.spread_bytes_for``), at
+            least 64 KiB.
     """
 
     shards: Optional[int] = None

@@ -777,7 +777,7 @@ def _run(layers: list, workers: int, rate: float, net: tuple, chunk_bytes: int, 
     sim = _Simulation(layers, workers, rate, net, chunk_bytes, allreduce)
     ps_groups = groups.get(Scheme.PS, [])
     link = link_of(_calibration(net))  # the trainer spreads its merge groups by its measured link
-    messages = _ps_messages(layers, ps_groups, workers, chunk_bytes, spread_bytes_for(link.alpha, link.beta))
+    messages = _ps_messages(layers, ps_groups, workers, chunk_bytes, spread_bytes_for(link.alpha, link.beta, workers))
     end_of_backward = sum(layer.forward + layer.backward for layer in layers)
     starts = []  # (ready, order, fn, args)
     for g, members in enumerate(ps_groups):

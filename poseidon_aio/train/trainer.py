@@ -834,7 +834,7 @@ class Trainer:
         config = self.ps_config
         if names and config.group_spread_bytes is None:  # one value on every rank: rank 0's link
             link = await self._agreed_link()
-            config = replace(config, group_spread_bytes=spread_bytes_for(link.alpha, link.beta))
+            config = replace(config, group_spread_bytes=spread_bytes_for(link.alpha, link.beta, config.shards_for(self.world)))
         self._node = await PSNode.start(
             manifest, config, net=self.net, groups=names or None, start_clock=self.clock,
             rendezvous=self._job.rendezvous.scoped(f"ps{self._generation}"), process_shaper=self._shaper,
