@@ -142,14 +142,23 @@ def test_merged_and_unmerged_syncs_give_bitwise_equal_results_and_one_plan_every
         ("optimal", "mgwfbp", None, "optimal"),
         ("trial", "mgwfbp", None, "optimal", {"merge_trial": 2}),
         ("best", "mgwfbp", None, "best", {"merge_trial": 1}),
+        # A group spread over the 3 shards in runs of 64 bytes and more: parameters cut
+        # mid-tensor between shards, one message a shard.
+        ("single-spread", "mgwfbp", None, "single", {"ps": {"group_spread_bytes": 64}}),
+        ("alg1-spread", "mgwfbp", None, "algorithm1", {"ps": {"group_spread_bytes": 64}}),
         ("two", "mgwfbp", None, "best", {"merge_trial": 1, "two_plans": True}),  # last: it patches the planner
     ]
     res = run_workers(3, train_worker, spec, 2, runs, 4, 4, {}, timeout=180)
     base = res[0]["wfbp"]["params"]
-    for label in ("single", "alg1", "optimal", "trial", "best", "two"):
+    for label in ("single", "alg1", "optimal", "trial", "best", "single-spread", "alg1-spread", "two"):
         for r in range(3):
             assert all(a.tobytes() == b.tobytes() for a, b in zip(base, res[r][label]["params"])), f"{label} on rank {r}"
     assert len(res[0]["single"]["groups"]) == 1
+    # The model's ~1 KB in one group: on one shard by default (under two runs of 64 KiB), on all
+    # three within an item of each other when spread.
+    assert sorted(res[0]["single"]["shard_bytes"])[:2] == [0, 0]
+    spread = res[0]["single-spread"]["shard_bytes"]
+    assert min(spread) > 0 and max(spread) - min(spread) <= 8
     for label in ("alg1", "optimal"):
         plans = {json_groups(res[r][label]["groups"]) for r in range(3)}
         assert len(plans) == 1, f"{label}: ranks used different plans {plans}"

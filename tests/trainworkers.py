@@ -116,7 +116,9 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
             async with trainer:
                 for t in range(steps):
                     stats.append(await trainer.step(batch(spec, seed, rank, t, size)))
+                book = trainer._node.book if trainer._node is not None else None
             out[label] = {
+                "shard_bytes": book.shard_bytes() if book is not None else None,
                 "params": [p.detach().numpy().copy() for p in model.parameters()],
                 "schemes": stats[-1].schemes,
                 "bytes": dict(trainer.bytes_total),
