@@ -628,12 +628,15 @@ class Simulator:
         self.layer_overhead = float(layer_overhead)
         self.layers = _layers(trace, self.rows, self.rate, self.layer_overhead)
         self.calibration = _calibration(self.net) if self.workers > 1 else []
+        measured = link_of(self.calibration)
+        # The trainer spreads its merge groups over the shards by its measured link.
+        self.spread_bytes = spread_bytes_for(measured.alpha, measured.beta, self.workers)
         if self.workers > 1 and mode != DDP:
             chosen = choose_schemes(
                 [PlanLayer(layer.shape, layer.factorable) for layer in self.layers],
                 {layer.name: self.rows for layer in self.layers if layer.factorable},
                 mode=Mode(mode), workers=self.workers, shards=self.workers,
-                link=link_of(self.calibration), candidates=self.hybcomm, chunk_bytes=chunk_bytes,
+                link=measured, candidates=self.hybcomm, chunk_bytes=chunk_bytes,
             )
             for layer in self.layers:
                 layer.scheme = Scheme(chosen[layer.name])
@@ -696,13 +699,13 @@ class Simulator:
                 plans[s.value] = info
         key = tuple((s.value, tuple(gs)) for s, gs in groups.items())
         if key not in self._runs:  # two planners often agree: simulate each plan once
-            self._runs[key] = _run(layers, self.workers, self.rate, self.net, self.chunk_bytes, self.mode, groups, self.allreduce)
+            self._runs[key] = _run(layers, self.workers, self.rate, self.net, self.chunk_bytes, self.mode, groups, self.spread_bytes, self.allreduce)
         sim = self._runs[key]
         return self._result(sim, groups, plans, sim.done)
 
     def _warm_up(self, groups: dict) -> "_Simulation":
         if self._unmerged is None:
-            self._unmerged = _run(self.layers, self.workers, self.rate, self.net, self.chunk_bytes, self.mode, groups, self.allreduce)
+            self._unmerged = _run(self.layers, self.workers, self.rate, self.net, self.chunk_bytes, self.mode, groups, self.spread_bytes, self.allreduce)
         return self._unmerged
 
     def _result(self, sim, groups: dict, plans: dict, done: np.ndarray) -> Iteration:
@@ -773,11 +776,10 @@ def _calibration(net: tuple) -> list:
     return samples
 
 
-def _run(layers: list, workers: int, rate: float, net: tuple, chunk_bytes: int, mode: str, groups: dict, allreduce: str = "auto") -> _Simulation:
+def _run(layers: list, workers: int, rate: float, net: tuple, chunk_bytes: int, mode: str, groups: dict, spread_bytes: int, allreduce: str = "auto") -> _Simulation:
     sim = _Simulation(layers, workers, rate, net, chunk_bytes, allreduce)
     ps_groups = groups.get(Scheme.PS, [])
-    link = link_of(_calibration(net))  # the trainer spreads its merge groups by its measured link
-    messages = _ps_messages(layers, ps_groups, workers, chunk_bytes, spread_bytes_for(link.alpha, link.beta, workers))
+    messages = _ps_messages(layers, ps_groups, workers, chunk_bytes, spread_bytes)
     end_of_backward = sum(layer.forward + layer.backward for layer in layers)
     starts = []  # (ready, order, fn, args)
     for g, members in enumerate(ps_groups):
