@@ -113,6 +113,16 @@ def test_frozen_tied_unused_params_any_optimizer_and_scheduler(mode, staleness, 
             assert schemes["shared"] == "sfb" and schemes["head"] in ("ps", "allreduce")  # a tied weight never goes by SFB
 
 
+def test_bytes_of_syncs_that_outlive_their_step_are_counted():
+    # Under SSP a step returns with its syncs still moving; their bytes count when they land, so
+    # the job's totals are the BSP run's (the same messages, every byte of them).
+    spec = {"kind": "mlp", "inputs": 12, "hidden": [32, 32], "classes": 3}
+    runs = [("bsp", "wfbp", None), ("ssp", "wfbp", None, None, {"ps": {"staleness": 2}})]
+    res = run_workers(3, train_worker, spec, 2, runs, 5, 4, {}, timeout=120)
+    for r in range(3):
+        assert res[r]["ssp"]["bytes"] == res[r]["bsp"]["bytes"], f"rank {r}"
+
+
 def test_layer_syncs_overlap_the_backward_in_wfbp_and_not_in_naive(tmp_path):
     from .trainworkers import overlap_worker
 

@@ -85,7 +85,8 @@ class StepStats:
         overlap_s: sync time that ran while the backward was still computing.
         step_s: the whole step.
         bytes: payload bytes this rank put on and took off the network, per scheme (the
-            in-process link to its own shard not counted).
+            in-process link to its own shard not counted); under SSP complete once the step has
+            been applied, ``staleness`` steps later.
         dropped: ranks a shard dropped from this step's aggregation (straggler policy).
         schemes: the scheme of every layer.
     """
@@ -104,7 +105,7 @@ class StepStats:
 class _Step:
     """One iteration in flight: its layer syncs and where their results land."""
 
-    __slots__ = ("clock", "syncs", "launched", "deferred", "agg", "compute_done", "started", "forward_end", "compute_end", "spans", "work", "ready_at", "bytes", "dropped", "unused", "held")
+    __slots__ = ("clock", "syncs", "launched", "deferred", "agg", "compute_done", "started", "forward_end", "compute_end", "spans", "work", "ready_at", "bytes", "dropped", "unused", "held", "done")
 
     def __init__(self, clock: int, started: float) -> None:
         self.clock = clock
@@ -122,6 +123,7 @@ class _Step:
         self.dropped: set = set()
         self.unused: set = set()  # manifest indices this rank's backward gave no gradient
         self.held: dict = {}  # merge group -> [(layer, ready at)] of its members ready so far
+        self.done: Optional[float] = None  # when step() returned
 
 
 class Trainer:
@@ -503,10 +505,7 @@ class Trainer:
             await self._broadcast(self._buffers, clock=t)
         while self._inflight and self._inflight[0].clock <= t - self.ps_config.staleness:
             await self._apply(self._inflight.pop(0))
-        done = time.perf_counter()
-        self._count_shard_bytes(state.bytes)
-        for scheme, n in state.bytes.items():
-            self.bytes_total[scheme] = self.bytes_total.get(scheme, 0) + n
+        done = state.done = time.perf_counter()
         self.clock += 1
         if measuring:
             self._step_times.append(done - state.started)
@@ -518,7 +517,8 @@ class Trainer:
                 await self._replan()  # the new syncers (and parameter server) start at the next clock
         elif self._trial_from is not None and t == self._trial_from + self.merge.trial - 1:
             await self._next_trial()
-        self.tracer.step(t, state.started, state.compute_end, state.spans, done, state.work)
+        if state not in self._inflight:  # (a step still syncing, under SSP, is traced when applied)
+            self.tracer.step(t, state.started, state.compute_end, state.spans, done, state.work)
         return StepStats(
             clock=t,
             loss=loss,
@@ -526,7 +526,7 @@ class Trainer:
             stall_s=done - state.compute_end,
             overlap_s=sum(max(0.0, min(s.end, state.compute_end) - s.start) for s in state.spans if s.end),
             step_s=done - state.started,
-            bytes=dict(state.bytes),
+            bytes=state.bytes,  # (the step's own: under SSP its syncs that are still moving add to it)
             dropped=sorted(state.dropped),
             schemes={layer.name: self.schemes[layer.index].value for layer in self.layers},
         )
@@ -693,6 +693,17 @@ class Trainer:
                 task.cancel()
             raise
         await self._stepper.run("optimizer", self._optimizer_step, state)
+        self._finish(state)
+
+    def _finish(self, state: _Step) -> None:
+        """A step whose syncs are all in and applied: its bytes into the totals, and a step that
+        returned before its syncs were in (SSP) into the trace, now that every sync has ended."""
+        self._count_shard_bytes(state.bytes)
+        for scheme, n in state.bytes.items():
+            self.bytes_total[scheme] = self.bytes_total.get(scheme, 0) + n
+        if state.done is not None:
+            end = max([state.done, *(s.end or 0.0 for s in state.spans)])
+            self.tracer.step(state.clock, state.started, state.compute_end, state.spans, end, state.work)
 
     def _optimizer_step(self, state: _Step) -> None:
         # A parameter no rank used keeps grad None so the optimizer skips it, as it would in one
