@@ -319,7 +319,7 @@ def _efficiency(args, worlds: list, rate_bits: float) -> Optional[dict]:
     from bench.patterns import fan_in_efficiency
 
     # The emulation's own links: the scaled, dilated rate, at the worker counts it ran.
-    measured = fan_in_efficiency(worlds, rate_bits / args.scale / args.dilation)
+    measured = fan_in_efficiency(worlds, rate_bits / args.scale / args.dilation, seconds=args.efficiency_seconds, repeats=args.efficiency_repeats)
     print(f"  fan-in efficiency of the emulation's links: {measured}", file=sys.stderr, flush=True)
     with open(saved, "w") as f:
         json.dump(measured, f)
@@ -422,6 +422,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default="bench/out", help="where the figures and the raw results go")
     parser.add_argument("--simulate", action="store_true", default=True, help="run the simulator beside the emulation (default)")
     parser.add_argument("--no-simulate", dest="simulate", action="store_false")
+    parser.add_argument("--efficiency-seconds", type=float, default=2.0, help="with --efficiency measure: each round of the fan-in patterns moves this many seconds of bytes")
+    parser.add_argument("--efficiency-repeats", type=int, default=7, help="with --efficiency measure: rounds per pattern, the median taken (3 rounds of 1 s spread 0.65-0.82 at 3 senders)")
     parser.add_argument("--from-json", help="report (tables, simulator, figures) from a saved paper-emulated.json instead of emulating")
     parser.add_argument(
         "--efficiency", default="measure",
