@@ -113,6 +113,34 @@ def test_frozen_tied_unused_params_any_optimizer_and_scheduler(mode, staleness, 
             assert schemes["shared"] == "sfb" and schemes["head"] in ("ps", "allreduce")  # a tied weight never goes by SFB
 
 
+def test_the_gpu_path_s_host_buffers_keep_every_scheme_equal_to_one_process():
+    # A GPU model's gradients, factors and aggregates go through host buffers with explicit copies
+    # (train.staging); Staging(force=True) runs that logic on CPU tensors, here where CI can run
+    # it (tests/test_gpu.py runs it on a GPU). SSP keeps two clocks' aggregates landing at once.
+    spec = {"kind": "mlp", "inputs": 20, "hidden": [48, 32], "classes": 4}
+    staged = {"force_staging": True}
+    runs = [
+        ("wfbp", "wfbp", None, None, staged),
+        ("poseidon", "poseidon", None, None, staged),
+        ("adam", "poseidon", "adam-first-linear", None, staged),
+        ("mixed", "poseidon", "mixed", None, staged),
+        ("ssp", "wfbp", None, None, {**staged, "ps": {"staleness": 2}}),
+    ]
+    workers, seed, steps, size = 3, 5, 4, 4
+    res = run_workers(workers, train_worker, spec, seed, runs, steps, size, {}, timeout=120)
+    reference = single_process(spec, seed, workers, steps, size)
+    for label, *_ in runs:
+        to_host, to_device = res[0][label]["copies"]
+        all_sfb = set(res[0][label]["schemes"].values()) == {"sfb"}  # SFB's kernel writes the tensors
+        assert to_host > 0 and (to_device > 0 or all_sfb), f"{label}: nothing went through the host buffers"
+        for r in range(1, workers):
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(res[0][label]["params"], res[r][label]["params"])), f"{label}: rank {r} differs"
+        if label != "ssp":
+            for a, ref in zip(res[0][label]["params"], reference):
+                np.testing.assert_allclose(a, ref, rtol=1e-5, atol=1e-6, err_msg=label)
+    assert "sfb" in res[0]["mixed"]["schemes"].values()
+
+
 def test_bytes_of_syncs_that_outlive_their_step_are_counted():
     # Under SSP a step returns with its syncs still moving; their bytes count when they land, so
     # the job's totals are the BSP run's (the same messages, every byte of them).

@@ -91,6 +91,11 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
             extra = dict(rest[1]) if len(rest) > 1 else {}
             ps = PSConfig(**{**ps_kwargs, **extra.pop("ps", {})})
             model = build_model(spec, seed + (rank if label == "skewed" else 0))
+            device = torch.device(extra.pop("device", "cpu"))
+            force_staging = extra.pop("force_staging", False)
+            model.to(device)
+            if device.type == "cuda":  # cuDNN's TF32 convolutions keep 10 bits: not comparable to the CPU
+                torch.backends.cudnn.allow_tf32 = False
             if overrides == "adam-first-linear":
                 overrides = {next(n for n, m in model.named_modules() if isinstance(m, nn.Linear)): "adam"}
             elif overrides == "as-poseidon":
@@ -112,17 +117,23 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
                 model, opt, nn.functional.cross_entropy, mode=mode, schemes=overrides,
                 ps=ps, rendezvous=rdzv.job(label), merge=merging, **extra,
             )
+            if force_staging:  # the GPU path's host buffers and copies, on CPU tensors
+                from poseidon_aio.train.staging import Staging
+
+                trainer.staging, trainer._gpu = Staging(force=True), True
             stats = []
             async with trainer:
                 for t in range(steps):
-                    stats.append(await trainer.step(batch(spec, seed, rank, t, size)))
+                    x, y = batch(spec, seed, rank, t, size)
+                    stats.append(await trainer.step((x.to(device), y.to(device))))
                 book = trainer._node.book if trainer._node is not None else None
             out[label] = {
                 "shard_bytes": book.shard_bytes() if book is not None else None,
-                "params": [p.detach().numpy().copy() for p in model.parameters()],
+                "params": [p.detach().cpu().numpy().copy() for p in model.parameters()],
                 "schemes": stats[-1].schemes,
                 "bytes": dict(trainer.bytes_total),
                 "losses": [s.loss for s in stats],
+                "copies": (trainer.staging.copies_to_host, trainer.staging.copies_to_device),
                 "groups": trainer.merge_groups,
                 "info": trainer.merge_info,
             }

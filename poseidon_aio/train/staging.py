@@ -64,7 +64,12 @@ class Staging:
 
     def host(self, slot, tensor: torch.Tensor, event=None) -> np.ndarray:
         """``tensor``'s values in host memory, as a NumPy array: the tensor itself on CPU, else
-        a copy into ``slot``'s buffer, complete when this returns (run it off the event loop)."""
+        a copy into ``slot``'s buffer, complete when this returns (run it off the event loop).
+
+        ``event``: recorded where ``tensor`` was produced (:meth:`ready_event`); the copy waits
+        for it alone. Without one the copy waits for everything queued so far on the calling
+        thread's current stream: a tensor made after the event (a ``cat`` of factors, a cast)
+        would otherwise be copied before a kernel has written it."""
         if not self.staged(tensor):  # a gradient needs no detach (1 us a call, every parameter every step)
             return (tensor.detach() if tensor.requires_grad else tensor).numpy()
         buf = self.buffer(slot, tensor)
@@ -73,6 +78,8 @@ class Staging:
             with torch.cuda.stream(stream):
                 if event is not None:
                     stream.wait_event(event)
+                else:  # made by work this thread queued (a cat, a cast): wait for all of it
+                    stream.wait_stream(torch.cuda.current_stream(tensor.device))
                 buf.copy_(tensor.detach(), non_blocking=True)
             stream.synchronize()
         else:

@@ -24,6 +24,7 @@ Modes (:class:`~poseidon_aio.sync.Mode`):
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import threading
@@ -326,8 +327,11 @@ class Trainer:
         self._loop = asyncio.get_running_loop()
         if self.net is None:
             self.net = config_from_env()  # before anything waits: a missing token fails at once
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poseidon-compute")
-        self._reduce = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poseidon-reconstruct")
+        # A new thread has no current CUDA device: give ours the model's before their first kernel.
+        device = next((p.device for _, p in self._named if p.is_cuda), None)
+        init = None if device is None else functools.partial(torch.cuda.set_device, device)
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poseidon-compute", initializer=init)
+        self._reduce = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poseidon-reconstruct", initializer=init)
         # A small model's optimizer step costs less than the hop to the compute thread and back:
         # it runs on the loop (the compute thread is idle by then). A GPU's waits on its streams.
         self._stepper = Offload(self._compute, budget_s=0.0 if self._gpu else INLINE_BUDGET_S)
@@ -666,7 +670,9 @@ class Trainer:
             if g is None:  # an unused branch: zeros
                 g = torch.zeros_like(p)
                 state.unused.add(i)
-            grads.append(self.staging.host(("grad", i), g.contiguous(), self._events.pop(i, None)))
+            event, c = self._events.pop(i, None), g.contiguous()
+            # The event marks g; a copy of it made here is waited for on this thread's stream.
+            grads.append(self.staging.host(("grad", i), c, event if c is g else None))
         return Bucket(layer.name, [layer.index], layer.param_ids, outs, grads=grads, priority=priority)
 
     def _landing(self, state: _Step, i: int) -> np.ndarray:
@@ -675,7 +681,8 @@ class Trainer:
         key = (self._agg_slot(state.clock), i)
         view = self._agg_views.get(key)
         if view is None:
-            view = self._agg_views[key] = self.staging.landing(("agg", i), state.agg[i])
+            # One host buffer per slot of the ring, as on the device: under SSP two clocks land at once.
+            view = self._agg_views[key] = self.staging.landing(("agg", *key), state.agg[i])
         return view
 
     async def _host(self, slot, tensor: torch.Tensor, event=None):
@@ -713,8 +720,9 @@ class Trainer:
         # (requires_grad off) gets no gradient either.
         for layer in self.layers:
             if syncer_class(self.schemes[layer.index]).host_outs:
+                slot = self._agg_slot(state.clock)
                 for i in layer.param_ids:
-                    self.staging.to_device(("agg", i), state.agg[i])
+                    self.staging.to_device(("agg", slot, i), state.agg[i])
         self.staging.wait()
         with torch.no_grad():
             for i, (_, p) in enumerate(self._named):

@@ -1,0 +1,72 @@
+"""The trainer with its model on a CUDA GPU: the staging of gradients through host buffers, the
+CuPy reconstruction of SFB layers, and every scheme, across real worker processes.
+
+These run only where torch sees a GPU (the CI machines have none: they skip with the reason). The
+CPU path is the tested reference; here the GPU path must give the same replicas on every rank,
+bit for bit, and the single-process CPU result within float32 reordering.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from poseidon_aio import kernels
+
+from .cluster import run_workers
+from .trainworkers import single_process, train_worker
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine: the GPU path of the trainer cannot run"),
+]
+
+CUDA = {"device": "cuda"}
+RUNS = [
+    ("naive", "naive", None, None, CUDA),
+    ("wfbp", "wfbp", None, None, CUDA),
+    ("mgwfbp", "mgwfbp", None, None, CUDA),
+    ("poseidon", "poseidon", None, None, CUDA),
+    ("adam", "poseidon", "adam-first-linear", None, CUDA),
+    ("allreduce", "poseidon", "every-allreduce", None, CUDA),
+    ("mixed", "poseidon", "mixed", None, CUDA),  # SFB (the CuPy kernel), all-reduce and PS side by side
+]
+
+SPECS = [
+    {"kind": "mlp", "inputs": 40, "hidden": [96, 48], "classes": 6},
+    {"kind": "cnn", "channels": 4, "side": 8, "hidden": [32], "classes": 5},
+]
+
+
+def test_sfb_layers_on_a_gpu_are_rebuilt_by_the_cupy_kernel():
+    if not kernels.cuda_available():
+        pytest.skip("CuPy cannot run here: SFB on a GPU falls back to the torch kernel")
+    assert kernels.kernel_for(torch.empty(2, 2, device="cuda")) == "cupy"
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s["kind"])
+@pytest.mark.parametrize("workers", [2, 3])
+def test_every_mode_on_a_gpu_keeps_replicas_identical_and_equals_one_process(spec, workers):
+    seed, steps, size = 11, 3, 4
+    res = run_workers(workers, train_worker, spec, seed, RUNS, steps, size, {}, timeout=300)
+    reference = single_process(spec, seed, workers, steps, size)
+    # Every run checked, every failure named (with its schemes): a GPU is rarely at hand to rerun.
+    failures = []
+    for label, *_ in RUNS:
+        params, schemes = res[0][label]["params"], res[0][label]["schemes"]
+        for r in range(1, workers):
+            if any(a.tobytes() != b.tobytes() for a, b in zip(params, res[r][label]["params"])):
+                failures.append(f"{label}: rank {r}'s replica differs from rank 0's (schemes {schemes})")
+        for (name, _), a, ref in zip(_names(spec), params, reference):
+            if not np.allclose(a, ref, rtol=1e-4, atol=1e-5):
+                worst = float(np.max(np.abs(a - ref)))
+                failures.append(f"{label}: {name} differs from the single-process CPU run by up to {worst:.2e} (schemes {schemes})")
+    assert not failures, "\n".join(failures)
+    assert "sfb" in res[0]["mixed"]["schemes"].values(), res[0]["mixed"]["schemes"]
+
+
+def _names(spec):
+    from .trainworkers import build_model
+
+    return list(build_model(spec, 0).named_parameters())
