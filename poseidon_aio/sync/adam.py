@@ -27,8 +27,8 @@ class AdamSyncer(Syncer):
     def build(cls, ctx: SyncContext) -> "AdamSyncer":
         return cls(ctx.node.client, ctx.ps_index)
 
-    def start(self, bucket: Bucket, clock: int) -> asyncio.Task:
+    def start(self, bucket: Bucket, clock: int) -> asyncio.Future:
         ids = [self._index[i] for i in bucket.params]
         u, v = bucket.factors
         push = self._client.push_factors(ids, u, v, bucket.outs, clock, bucket.priority)
-        return asyncio.ensure_future(_result_of(push))
+        return _result_of(push)

@@ -29,12 +29,33 @@ class PSSyncer(Syncer):
     def build(cls, ctx: SyncContext) -> "PSSyncer":
         return cls(ctx.node.client, ctx.ps_index)
 
-    def start(self, bucket: Bucket, clock: int) -> asyncio.Task:
+    def start(self, bucket: Bucket, clock: int) -> asyncio.Future:
         ids = [self._index[i] for i in bucket.params]
         push = self._client.push(ids, bucket.grads, bucket.outs, clock, bucket.priority)
-        return asyncio.ensure_future(_result_of(push))
+        return _result_of(push)
 
 
-async def _result_of(push) -> SyncResult:
-    result = await push
-    return SyncResult(result.remote_bytes_sent, result.remote_bytes_received, tuple(result.dropped))
+def _result_of(push: asyncio.Future) -> asyncio.Future:
+    """The push's :class:`SyncResult`, as a future settled by a callback on ``push``: a task per
+    layer a step (created, scheduled, stepped twice) was the loop's dearest item after the frames
+    themselves. Cancelling the result cancels the push, as cancelling a task awaiting it did."""
+    out = push.get_loop().create_future()
+
+    def settle(done: asyncio.Future) -> None:
+        if out.done():
+            return
+        if done.cancelled():
+            out.cancel()
+        elif done.exception() is not None:
+            out.set_exception(done.exception())
+        else:
+            r = done.result()
+            out.set_result(SyncResult(r.remote_bytes_sent, r.remote_bytes_received, tuple(r.dropped)))
+
+    def given_up(result: asyncio.Future) -> None:
+        if result.cancelled():
+            push.cancel()
+
+    push.add_done_callback(settle)
+    out.add_done_callback(given_up)
+    return out
