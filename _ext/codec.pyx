@@ -244,6 +244,12 @@ cdef class FrameDecoder:
         return self._destcap if self._owned else 0
 
     @property
+    def payload_remaining(self):
+        if self._dest is not None and self._start == self._end:
+            return self._length - self._filled
+        return 0
+
+    @property
     def partial(self):
         if self._header is None:
             return None

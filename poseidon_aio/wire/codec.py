@@ -244,6 +244,14 @@ class FrameDecoder:
     # -- state ------------------------------------------------------------------------------
 
     @property
+    def payload_remaining(self) -> int:
+        """Bytes the frame being received still needs, once its header is in and nothing else is
+        buffered (0 otherwise): until they are in there is no frame to act on."""
+        if self._dest is not None and self._start == self._end:
+            return self._length - self._filled
+        return 0
+
+    @property
     def buffered(self) -> int:
         """Bytes received but not yet part of a returned frame (scratch and partial payload)."""
         return self._end - self._start + self._filled
