@@ -718,9 +718,9 @@ class Trainer:
         # sees the same aggregate, so every rank decides alike); scanning every aggregate would
         # cost a pass over the model's gradients per step. A parameter frozen for this step
         # (requires_grad off) gets no gradient either.
+        slot = self._agg_slot(state.clock)
         for layer in self.layers:
             if syncer_class(self.schemes[layer.index]).host_outs:
-                slot = self._agg_slot(state.clock)
                 for i in layer.param_ids:
                     self.staging.to_device(("agg", slot, i), state.agg[i])
         self.staging.wait()
