@@ -15,7 +15,7 @@ import torch
 from poseidon_aio import kernels
 
 from .cluster import run_workers
-from .trainworkers import single_process, train_worker
+from .trainworkers import build_model, single_process, train_worker
 
 pytestmark = [
     pytest.mark.slow,
@@ -67,6 +67,4 @@ def test_every_mode_on_a_gpu_keeps_replicas_identical_and_equals_one_process(spe
 
 
 def _names(spec):
-    from .trainworkers import build_model
-
     return list(build_model(spec, 0).named_parameters())
