@@ -46,6 +46,17 @@ RATES = {"1gbit": ("1gbit", 125e6), "100mbit": ("100mbit", 12.5e6)}
 SETUPS = [("loopback", "real"), ("1gbit", "real"), ("1gbit", "replayed"), ("100mbit", "real"), ("100mbit", "replayed")]
 
 
+def impl_variant(impl: str) -> tuple:
+    """``"poseidon:chunk=262144:merge=single"`` -> ``("poseidon", {"chunk": "262144", ...})``: a
+    mode with settings of our own (``chunk``, ``merge``, ``allreduce``, ``hybcomm`` as
+    ``ps+allreduce``), so that variants run interleaved with the rest in one run."""
+    mode, *settings = impl.split(":")
+    variant = dict(s.split("=", 1) for s in settings if "=" in s)
+    if mode not in IMPLS or len(variant) < len(settings) or set(variant) - {"chunk", "merge", "allreduce", "hybcomm"}:
+        raise SystemExit(f"--impls: {impl!r} is not one of {IMPLS}, with settings chunk=, merge=, allreduce=, hybcomm=")
+    return mode, variant
+
+
 # -- one worker process ---------------------------------------------------------------------------
 
 
@@ -103,9 +114,16 @@ def worker(cfg: dict) -> None:
 
         async def main():
             stats = []
-            ps = poseidon_aio.PSConfig(allreduce=cfg["allreduce"], group_spread_bytes=cfg.get("group_spread_bytes"))
-            merge = MergeConfig(kind=cfg["merge"]) if cfg.get("merge") and cfg["impl"] != "wfbp" else None
-            async with poseidon_aio.Trainer(model, opt, loss_fn, mode=cfg["impl"], net=net, ps=ps, merge=merge) as trainer:
+            mode, variant = impl_variant(cfg["impl"])
+            ps = poseidon_aio.PSConfig(
+                allreduce=variant.get("allreduce", cfg["allreduce"]),
+                group_spread_bytes=cfg.get("group_spread_bytes"),
+                chunk_bytes=int(variant.get("chunk", poseidon_aio.PSConfig.chunk_bytes)),
+            )
+            kind = variant.get("merge", cfg.get("merge"))
+            merge = MergeConfig(kind=kind) if kind and mode != "wfbp" else None
+            hybcomm = {"hybcomm": tuple(variant["hybcomm"].split("+"))} if "hybcomm" in variant else {}
+            async with poseidon_aio.Trainer(model, opt, loss_fn, mode=mode, net=net, ps=ps, merge=merge, **hybcomm) as trainer:
                 for t in range(total):
                     started, cpu0, loop0 = time.perf_counter(), time.process_time(), time.thread_time()
                     stats.append(await trainer.step(mine))
@@ -168,7 +186,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--setups", default=",".join(f"{l}:{c}" for l, c in SETUPS), help="link:compute pairs")
     parser.add_argument("--models", default="fc,cnn,resnet,transformer")
     parser.add_argument("--workers", default="2,4")
-    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--impls", default=",".join(IMPLS), help="ddp, wfbp, poseidon; a variant of ours runs beside them as e.g. poseidon:chunk=262144:merge=single")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=1, help="runs of every implementation per row, interleaved; the row is their median, its speedup the median of the repeats' ratios (min–max shown)")
     parser.add_argument("--warmup", type=int, default=16, help="untimed steps (merging is planned after 3, then up to 4 plans tried for 3 steps each)")
@@ -187,6 +205,8 @@ def main(argv=None) -> dict:
 
     capped, why = netns.available()
     impls = args.impls.split(",")
+    for impl in impls:
+        impl_variant(impl)  # a typo fails here, not after the first rows
     rows, summary = [], {}
     notes = [f"replayed device rate {args.device_tflops} TFLOP/s"]
     if not capped:

@@ -237,3 +237,23 @@ async def test_project_adam_goes_through_the_clock_straggler_and_late_path():
     for c in clients:
         await c.close()
     await shard.close()
+
+
+@given(
+    workers=st.integers(1, 5),
+    data=st.data(),
+    seed=st.integers(0, 2**16),
+)
+def test_reduce_mean_is_the_rank_ordered_sum_divided(workers, data, seed):
+    # The bits replicas agree on: ((s_a + s_b) + s_c) / n in the contributors' order, however
+    # many passes the sum takes.
+    contributors = sorted(data.draw(st.sets(st.integers(0, workers - 1), min_size=1)))
+    slots = np.random.default_rng(seed).standard_normal((workers, 257)).astype(np.float32)
+    expected = slots[contributors[0]].copy()
+    for r in contributors[1:]:
+        expected = expected + slots[r]
+    expected = expected / np.float32(len(contributors))
+    out = np.empty(257, dtype=np.float32)
+    assert reduce_mean(slots, contributors, out) is out
+    assert np.array_equal(out, expected)
+    assert np.array_equal(reduce_mean(slots, contributors), expected)

@@ -57,12 +57,15 @@ def reduce_mean(slots: np.ndarray, contributors: list, out: Optional[np.ndarray]
 
     The order is fixed, so the result's bits do not depend on which push arrived first.
     """
-    if out is None:
-        out = slots[contributors[0]].copy()
-    else:
-        np.copyto(out, slots[contributors[0]])
-    for r in contributors[1:]:
+    first = slots[contributors[0]]
+    if len(contributors) == 1:
+        if out is None:
+            return first.copy()
+        np.copyto(out, first)
+        return out
+    # The first sum writes ``out``: a pass over the bytes fewer than copying the first row in.
+    out = np.add(first, slots[contributors[1]], out=out)
+    for r in contributors[2:]:
         np.add(out, slots[r], out=out)
-    if len(contributors) > 1:
-        np.divide(out, out.dtype.type(len(contributors)), out=out)
+    np.divide(out, out.dtype.type(len(contributors)), out=out)
     return out
