@@ -8,6 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from poseidon_aio.cluster import InformationBook, Manifest, ManifestMismatch, ParamSpec
+from poseidon_aio.cluster.book import GROUP_RUNS
 from poseidon_aio.cluster.manifest import first_difference
 from poseidon_aio.cluster.models import PRESETS, resnet50, vgg19
 from poseidon_aio.errors import ConfigError
@@ -152,7 +153,10 @@ def test_merge_groups_spread_one_run_per_shard_and_stay_balanced(shape_list, cut
     for names in groups:
         params = {m.index(n) for n in names}
         total = sum(m[i].nbytes for i in params)
-        runs = max(-(-total // chunk), min(shards, total // spread) if spread else 1)
+        fit = total // spread if spread else 1
+        if fit > shards:  # past P2, a whole number of runs a shard, at least GROUP_RUNS (workers = shards here)
+            fit = min(shards * -(-GROUP_RUNS // shards) if shards > 1 else 1, fit // shards * shards)
+        runs = max(-(-total // chunk), fit)
         per_shard: dict = {}
         for p in book.pairs:
             if p.param in params:
@@ -161,14 +165,32 @@ def test_merge_groups_spread_one_run_per_shard_and_stay_balanced(shape_list, cut
         assert len(per_shard) == min(runs, shards)
         if runs <= shards:
             assert max(per_shard.values()) - min(per_shard.values()) <= 2 * 4
-        # One message a shard while its run fits a chunk: merging saves frames.
+        # One message a run (two runs on a shard stay two) while it fits a chunk: merging
+        # saves frames.
         messages = [msg for msg in book.messages if book.pairs[msg.keys[0]].param in params]
+        assert len(messages) >= runs
         if max(per_shard.values()) <= chunk:
             assert len(messages) == runs
         spread_everywhere = spread_everywhere and runs == shards
     # Groups over every shard leave the rest to balance as a model without groups does.
     if spread_everywhere and m.total_bytes >= shards * 4 * 20:
         assert book.max_over_mean() <= 1.05 + 8 * shards * (len(groups) + 1) / m.total_bytes
+
+
+def test_a_merged_group_of_two_workers_goes_in_group_runs_messages_two_a_shard():
+    # Each shard's sums follow the pushes, a quarter of the group at a time; one worker (its
+    # shard in process) has nothing to pipeline and keeps one message a chunk.
+    specs = [ParamSpec(f"fc{i}", (512, 128)) for i in range(5)]  # 5 x 256 KiB
+    m, names = Manifest(specs), [[s.name for s in specs]]
+    two = InformationBook(m, workers=2, shards=2, groups=names, spread_bytes=64 << 10)
+    assert len(two.messages) == GROUP_RUNS and [msg.shard for msg in two.messages] == [0, 0, 1, 1]
+    assert {msg.nbytes for msg in two.messages} == {m.total_bytes // GROUP_RUNS}
+    # A run starts a message of its own even where two would fit a chunk together.
+    assert all(msg.nbytes < two.chunk_bytes // 2 for msg in two.messages)
+    one = InformationBook(m, workers=1, shards=1, groups=names, spread_bytes=64 << 10)
+    assert len(one.messages) == 1
+    # Runs are never cut under spread_bytes: a group of 2 runs' worth goes in 2.
+    assert len(InformationBook(m, workers=2, shards=2, groups=names, spread_bytes=m.total_bytes // 2).messages) == 2
 
 
 def test_a_merged_resnet20_over_2_shards_is_half_on_each():
@@ -180,7 +202,7 @@ def test_a_merged_resnet20_over_2_shards_is_half_on_each():
     one = InformationBook(m, workers=2, shards=2, groups=[[s.name for s in specs]], spread_bytes=0)
     spread = InformationBook(m, workers=2, shards=2, groups=[[s.name for s in specs]])
     assert one.shard_bytes() in ([m.total_bytes, 0], [0, m.total_bytes]) and len(one.messages) == 1
-    assert spread.shard_bytes() == [m.total_bytes // 2] * 2 and len(spread.messages) == 2
+    assert spread.shard_bytes() == [m.total_bytes // 2] * 2 and len(spread.messages) == GROUP_RUNS
     assert one.digest() != spread.digest()
     with pytest.raises(ConfigError, match="spread_bytes"):
         InformationBook(m, workers=2, shards=2, spread_bytes=-1)

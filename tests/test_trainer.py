@@ -181,7 +181,7 @@ def test_merged_and_unmerged_syncs_give_bitwise_equal_results_and_one_plan_every
         ("trial", "mgwfbp", None, "optimal", {"merge_trial": 2}),
         ("best", "mgwfbp", None, "best", {"merge_trial": 1}),
         # A group spread over the 3 shards in runs of 64 bytes and more: parameters cut
-        # mid-tensor between shards, one message a shard.
+        # mid-tensor between shards, two runs (messages) a shard (book.GROUP_RUNS).
         ("single-spread", "mgwfbp", None, "single", {"ps": {"group_spread_bytes": 64}}),
         ("alg1-spread", "mgwfbp", None, "algorithm1", {"ps": {"group_spread_bytes": 64}}),
         ("two", "mgwfbp", None, "best", {"merge_trial": 1, "two_plans": True}),  # last: it patches the planner

@@ -106,7 +106,7 @@ class StepStats:
 class _Step:
     """One iteration in flight: its layer syncs and where their results land."""
 
-    __slots__ = ("clock", "syncs", "launched", "deferred", "agg", "compute_done", "started", "forward_end", "compute_end", "spans", "work", "ready_at", "bytes", "dropped", "unused", "held", "done")
+    __slots__ = ("clock", "syncs", "launched", "deferred", "agg", "compute_done", "started", "forward_end", "compute_end", "spans", "work", "ready_at", "bytes", "dropped", "unused", "held", "done", "taken")
 
     def __init__(self, clock: int, started: float) -> None:
         self.clock = clock
@@ -125,23 +125,10 @@ class _Step:
         self.unused: set = set()  # manifest indices this rank's backward gave no gradient
         self.held: dict = {}  # merge group -> [(layer, ready at)] of its members ready so far
         self.done: Optional[float] = None  # when step() returned
+        # Staged (GPU) layers: what their syncs copy, taken where the backward made it (manifest
+        # index -> (gradient, CUDA event); ("factors", layer index) -> (u, v, CUDA event)).
+        self.taken: dict = {}
 
-
-
-def _back_to_back(params: list) -> dict:
-    """``{i: tensor}`` shaped like ``params[i]``: views of one contiguous buffer per (device,
-    dtype), in the given order."""
-    sizes: dict = {}
-    for p in params:
-        sizes[(p.device, p.dtype)] = sizes.get((p.device, p.dtype), 0) + p.numel()
-    flat = {k: torch.empty(n, dtype=k[1], device=k[0]) for k, n in sizes.items()}
-    offset = dict.fromkeys(flat, 0)
-    views = {}
-    for i, p in enumerate(params):
-        k, at = (p.device, p.dtype), offset[(p.device, p.dtype)]
-        views[i] = flat[k][at : at + p.numel()].view(p.shape)
-        offset[k] = at + p.numel()
-    return views
 
 class Trainer:
     """Data-parallel training of ``model`` across the job's worker processes.
@@ -287,7 +274,6 @@ class Trainer:
         self._kernel_flop = 0.0  # seconds per FLOP of the sufficient-factor kernel, measured at start
         self._ready: dict = {}
         self._captures: dict = {}
-        self._events: dict = {}  # manifest index -> CUDA event of its gradient (GPU models)
         self._wake_with: dict = {}  # layer index -> its merge group (more than one layer)
         self._held_lock = threading.Lock()  # a GPU backward may run hooks on several threads
         self._server_owned: set = set()  # manifest indices whose values the shards' SGD sends
@@ -556,15 +542,11 @@ class Trainer:
         of ``staleness + 2`` sets reused clock after clock. Under SSP an older clock's results may
         still be landing while this one runs, and each set is handed to ``param.grad`` for one
         optimizer step; fresh tensors instead would cost a page fault (and the kernel zeroing a
-        page) per 4 KiB of the model every step: 50 MB for a 12.6 M-parameter model.
-
-        A set is one buffer per (device, dtype), the parameters back to back in model order:
-        the keys of a merged message, consecutive slices of consecutive parameters, are then
-        consecutive bytes, and its reply is received into them directly (``wire.spans``)."""
+        page) per 4 KiB of the model every step: 50 MB for a 12.6 M-parameter model."""
         slot = self._agg_slot(clock)
         agg = self._agg_ring.get(slot)
         if agg is None:
-            agg = self._agg_ring[slot] = _back_to_back([p for _, p in self._named])
+            agg = self._agg_ring[slot] = {i: torch.empty_like(p) for i, (_, p) in enumerate(self._named)}
         return agg
 
     def _agg_slot(self, clock: int) -> int:
@@ -587,11 +569,21 @@ class Trainer:
     # -- hooks -> loop -> syncers -----------------------------------------------------------
 
     def _on_ready_threadsafe(self, layer: Layer) -> None:
-        # On the compute thread: note where a GPU gradient's value is produced, then hand over.
+        # On the compute thread. A staged layer's copies run later, off the loop: what they copy
+        # is taken here, where the backward made it, with the point on its stream where it was
+        # made. Read later on another thread, under SSP ``p.grad`` is being replaced by the next
+        # step's backward (autograd writes it without the GIL: a worker crashed with SIGSEGV in
+        # the staged copy beside a CPU hog) and the factor captures reset by its forward.
         if self._gpu:
+            taken = self._state.taken
+            cap = self._captures.get(layer.index)
+            if cap is not None and syncer_class(self.schemes[layer.index]).captures_factors and cap.captured:
+                u, v = cap.factors()
+                taken[("factors", layer.index)] = (u, v, self.staging.ready_event(u))
             for i, (_, p) in zip(layer.param_ids, layer.params):
-                if p.grad is not None:
-                    self._events[i] = self.staging.ready_event(p.grad)
+                g = p.grad
+                if g is not None:
+                    taken[i] = (g, self.staging.ready_event(g))
         now = time.perf_counter()
         group = self._wake_with.get(layer.index)
         if group is None:
@@ -677,20 +669,24 @@ class Trainer:
         if syncer_class(scheme).captures_factors:
             cap = self._captures[layer.index]
             m, n = layer.module.weight.shape
-            if cap.captured:
+            u, v, event = state.taken.pop(("factors", layer.index), None) or (None, None, None)
+            if u is None and cap.captured:
                 u, v = cap.factors()
-            else:  # unused here: K = 0
+            elif u is None:  # unused here: K = 0
                 u, v = torch.zeros(0, m), torch.zeros(0, n)
                 state.unused.update(layer.param_ids)
-            u, v = self.staging.host(("u", layer.index), u.float()), self.staging.host(("v", layer.index), v.float())
+            fu, fv = u.float(), v.float()
+            if fu is not u or fv is not v:  # the event marks u and v, not a cast made here
+                event = None
+            u, v = self.staging.host(("u", layer.index), fu, event), self.staging.host(("v", layer.index), fv, event)
             return Bucket(layer.name, [layer.index], layer.param_ids, outs, factors=(u, v), shape=(m, n), priority=priority)
         grads = []
         for i, p in zip(layer.param_ids, params):
-            g = p.grad
+            g, event = state.taken.pop(i, None) or (p.grad, None)
             if g is None:  # an unused branch: zeros
                 g = torch.zeros_like(p)
                 state.unused.add(i)
-            event, c = self._events.pop(i, None), g.contiguous()
+            c = g.contiguous()
             # The event marks g; a copy of it made here is waited for on this thread's stream.
             grads.append(self.staging.host(("grad", i), c, event if c is g else None))
         return Bucket(layer.name, [layer.index], layer.param_ids, outs, grads=grads, priority=priority)
