@@ -220,14 +220,14 @@ class InformationBook:
         least-loaded shards first: ``([(param, offset, numel, nbytes, shard)], load per shard)``.
 
         ``s`` is P2 (where there are several workers, at least ``GROUP_RUNS``, a whole number a
-        shard), or fewer where a
-        run would be under ``spread_bytes``, and never fewer than the group's chunks; runs past
-        P2 take the shards in turn, each a message of its own. A merged message
-        on one shard is pushed whole over one link and then replied whole over the other
-        direction, one after the other; spread, every worker's pushes and every shard's replies
-        use all links both ways at once, and its bytes cross the busiest link (P1 + P2 - 2) / P2
-        times each way, as Table 1 and the merge planner count them (2 workers, 100 Mbit, a
-        ResNet-20 in one message: 81 ms a step on one shard, 59 spread, against a 56 ms bound).
+        shard), or fewer where a run would be under ``spread_bytes``, and never fewer than the
+        group's chunks; runs past P2 take the shards in turn, each a message of its own. A
+        merged message on one shard is pushed whole over one link and then replied whole over
+        the other direction, one after the other; spread, every worker's pushes and every
+        shard's replies use all links both ways at once, and its bytes cross the busiest link
+        (P1 + P2 - 2) / P2 times each way, as Table 1 and the merge planner count them (2
+        workers, 100 Mbit, a ResNet-20 in one message: 81 ms a step on one shard, 59 spread,
+        against a 56 ms bound).
         """
         load = [0] * self.shards
         placed = []
