@@ -415,7 +415,12 @@ def checkpoint_worker(rank: int, runs: list, seed: int, steps: int):
             else:
                 opt = torch.optim.Adam(model.parameters(), lr=0.01)
                 merge = MergeConfig(after=1, calibration_sizes=(4096, 65536))
-                kwargs = dict(mode="poseidon", schemes={"fc1": "sfb"}, merge=merge, ps=PSConfig(sync_timeout=30))
+                # Every layer's scheme pinned: HybComm weighs the link measured at start-up, which
+                # beside a CPU hog differs between the uninterrupted run and the crashed one (whose
+                # plan the resumed run restores), and SFB's bits differ from PS's in the last place
+                # (1 run in ~10 of the whole file beside a hog: "conv.weight differs after resuming").
+                schemes = {"conv": "ps", "bn": "ps", "fc1": "sfb", "fc2": "sfb"}
+                kwargs = dict(mode="poseidon", schemes=schemes, merge=merge, ps=PSConfig(sync_timeout=30))
             trainer = poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, rendezvous=rdzv.job(label), **kwargs)
             async with trainer:
                 start = await trainer.restore(directory) if os.path.isdir(directory) else 0
