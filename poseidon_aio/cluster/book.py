@@ -253,7 +253,7 @@ class InformationBook:
                 used.add(shard)
                 return shard
 
-            started: set = set()
+            opened = -1  # the last run whose first key is marked (runs only go up)
             run, done, shard = 0, 0, next_shard()  # the run being filled; the group's bytes placed so far
             for param, offset, numel, nbytes in group_cuts:
                 itemsize = nbytes // numel if numel else 1
@@ -262,8 +262,8 @@ class InformationBook:
                     want = total * (run + 1) // runs - done
                     take = numel if run == runs - 1 else min(numel, max(0, want) // itemsize)
                     if take:
-                        if run not in started:  # a run is one message of its own (see _messages)
-                            started.add(run)
+                        if run != opened:  # a run is one message of its own (see _messages)
+                            opened = run
                             self._run_starts.add((param, offset))
                         placed.append((param, offset, take, take * itemsize, shard))
                         load[shard] += take * itemsize
