@@ -6,12 +6,14 @@ import random
 import tracemalloc
 import zlib
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from poseidon_aio.errors import FrameError, LocalProtocolError, RemoteProtocolError
 from poseidon_aio.wire import CODECS, HEADER_SIZE, INITIAL_PAYLOAD_BUFFER, ITEMSIZE, DType, Kind
+from poseidon_aio.wire.spans import spanning
 
 kinds = st.sampled_from(list(Kind))
 dtypes = st.sampled_from(list(DType))
@@ -318,3 +320,28 @@ def test_fuzz_frames_or_frame_error_nothing_else(raw, specs, seed, chunk, initia
                 error = str(exc)
             results[name] = (frames, error, (dec.buffered, dec.own_payload_bytes) if error is None else None)
         assert len({repr(r) for r in results.values()}) == 1, results
+
+
+# -- arrays back to back, received as one ---------------------------------------------------------
+
+
+@given(cuts=st.lists(st.integers(0, 64), min_size=1, max_size=6), dtype=st.sampled_from([np.float32, np.float64, np.int16]))
+def test_spanning_views_write_every_array_they_span(cuts, dtype):
+    bounds = [0, *sorted(cuts), 80]
+    buf = np.zeros(80, dtype=dtype)
+    parts = [buf[a:b] for a, b in zip(bounds, bounds[1:])]
+    view = spanning(parts)
+    assert view is not None and view.size == 80 and view.dtype == buf.dtype
+    view[:] = np.arange(80, dtype=dtype)
+    assert np.array_equal(np.concatenate(parts), np.arange(80, dtype=dtype))
+
+
+def test_spanning_refuses_gaps_order_dtypes_and_read_only_arrays():
+    buf = np.zeros(16, dtype=np.float32)
+    assert spanning([buf[0:4], buf[5:8]]) is None  # a gap
+    assert spanning([buf[4:8], buf[0:4]]) is None  # out of order
+    assert spanning([buf[0:4], buf[4:8].view(np.int32)]) is None  # another dtype
+    assert spanning([buf[0:8:2], buf[8:12]]) is None  # not contiguous
+    frozen = buf.copy()
+    frozen.flags.writeable = False
+    assert spanning([frozen[0:4], frozen[4:8]]) is None

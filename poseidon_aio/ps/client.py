@@ -19,6 +19,7 @@ import numpy as np
 from ..cluster.book import InformationBook, Message
 from ..errors import ConnectionLost, LocalProtocolError, RemoteProtocolError, SyncTimeout, WorkerLeft
 from ..wire import Frame, Kind, factors
+from ..wire.spans import spanning
 from .config import PSConfig
 from .shard import WIRE_DTYPE
 
@@ -58,6 +59,18 @@ def _scatter(pending: list) -> None:
             offset += o.size
 
 
+def _landing(outs: list) -> tuple:
+    """``(into, scattered)``: where a reply for ``outs`` is received. One array, or several back
+    to back in memory (the trainer's results of a merge group), are received into directly;
+    others through a staging buffer scattered afterwards."""
+    if len(outs) == 1:
+        return outs[0], False
+    span = spanning(outs)
+    if span is not None:
+        return span, False
+    return np.empty(sum(o.size for o in outs), dtype=outs[0].dtype), True
+
+
 class _Sync:
     """One push (or factor push) in flight: its sends, its expected replies, one future.
 
@@ -67,7 +80,7 @@ class _Sync:
     layer per step than awaiting each part.
     """
 
-    __slots__ = ("client", "messages", "clock", "what", "future", "waits", "tasks", "scatter", "left", "timer", "sent", "received", "remote_sent", "remote_received")
+    __slots__ = ("client", "messages", "clock", "what", "future", "waits", "tasks", "scatter", "keep", "left", "timer", "sent", "received", "remote_sent", "remote_received")
 
     def __init__(self, client: "PSClient", messages, clock: int, what: str) -> None:
         self.client = client
@@ -78,6 +91,7 @@ class _Sync:
         self.waits: list = []
         self.tasks: list = []
         self.scatter: list = []
+        self.keep: list = []
         self.left = 0
         self.timer = None
         self.sent = self.received = self.remote_sent = self.remote_received = 0
@@ -86,9 +100,11 @@ class _Sync:
         """Expect the reply ``(kind, key, clock)`` into ``outs`` (a staging buffer when several)."""
         if self.future.done():  # a send already failed
             return
-        into = outs[0] if len(outs) == 1 else np.empty(sum(o.size for o in outs), dtype=outs[0].dtype)
-        if len(outs) > 1:
+        into, scatter = _landing(outs)
+        if scatter:
             self.scatter.append((into, outs))
+        elif len(outs) > 1:
+            self.keep.append(outs)  # the spanning view holds the first array's memory only
         wait = conn.expect(kind, key, clock, into=into)
         self.waits.append(wait)
         self.left += 1
@@ -376,8 +392,8 @@ class PSClient:
         for m in messages:
             conn = self._conns[m.shard]
             outs = self.book.slices(m, flat)
-            into = outs[0] if len(outs) == 1 else np.empty(sum(o.size for o in outs), dtype=outs[0].dtype)
-            if len(outs) > 1:
+            into, separate = _landing(outs)  # (``flat`` keeps every array of a spanning view alive)
+            if separate:
                 scatter.append((into, outs))
             waits.append(conn.expect(Kind.PARAMS, m.id, clock, into=into))
             await conn.send(Kind.PULL, b"", key=m.id, clock=clock, dtype=WIRE_DTYPE[m.dtype])

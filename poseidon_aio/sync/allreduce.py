@@ -42,6 +42,7 @@ import numpy as np
 from ..errors import ConfigError, SyncTimeout
 from ..wire import Kind
 from ..wire.codec import byte_view
+from ..wire.spans import spanning
 from .bucket import Bucket
 from .cost import ALLREDUCE_ALGORITHMS, Scheme, goes_round_ring
 from .syncer import SyncContext, Syncer, SyncResult, register
@@ -334,6 +335,10 @@ class AllReduceSyncer(Syncer):
             view = outs[i][lo:hi]
             if view.flags.c_contiguous and not byte_view(view).readonly:
                 return view, None
+        else:  # the arrays back to back in memory (the trainer's results): one view over them
+            span = spanning([outs[i][lo:hi] for i, lo, hi in pieces])
+            if span is not None and span.dtype == dtype:
+                return span, None
         return self._take((stop - start,), dtype), pieces
 
     def _take(self, shape: tuple, dtype) -> np.ndarray:

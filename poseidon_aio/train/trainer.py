@@ -130,6 +130,22 @@ class _Step:
         self.taken: dict = {}
 
 
+def _back_to_back(params: list) -> dict:
+    """``{i: tensor}`` shaped like ``params[i]``: views of one contiguous buffer per (device,
+    dtype), in the given order."""
+    sizes: dict = {}
+    for p in params:
+        sizes[(p.device, p.dtype)] = sizes.get((p.device, p.dtype), 0) + p.numel()
+    flat = {k: torch.empty(n, dtype=k[1], device=k[0]) for k, n in sizes.items()}
+    offset = dict.fromkeys(flat, 0)
+    views = {}
+    for i, p in enumerate(params):
+        k, at = (p.device, p.dtype), offset[(p.device, p.dtype)]
+        views[i] = flat[k][at : at + p.numel()].view(p.shape)
+        offset[k] = at + p.numel()
+    return views
+
+
 class Trainer:
     """Data-parallel training of ``model`` across the job's worker processes.
 
@@ -542,11 +558,15 @@ class Trainer:
         of ``staleness + 2`` sets reused clock after clock. Under SSP an older clock's results may
         still be landing while this one runs, and each set is handed to ``param.grad`` for one
         optimizer step; fresh tensors instead would cost a page fault (and the kernel zeroing a
-        page) per 4 KiB of the model every step: 50 MB for a 12.6 M-parameter model."""
+        page) per 4 KiB of the model every step: 50 MB for a 12.6 M-parameter model.
+
+        A set is one buffer per (device, dtype), the parameters back to back in model order:
+        the keys of a merged message, consecutive slices of consecutive parameters, are then
+        consecutive bytes, and its reply is received into them directly (``wire.spans``)."""
         slot = self._agg_slot(clock)
         agg = self._agg_ring.get(slot)
         if agg is None:
-            agg = self._agg_ring[slot] = {i: torch.empty_like(p) for i, (_, p) in enumerate(self._named)}
+            agg = self._agg_ring[slot] = _back_to_back([p for _, p in self._named])
         return agg
 
     def _agg_slot(self, clock: int) -> int:
