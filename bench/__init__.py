@@ -29,36 +29,49 @@ def launch(module: str, world: int, cfg: dict, *, namespaces=None, timeout: floa
 
     port = free_port()
     master = "10.77.0.1" if namespaces else "127.0.0.1"
-    tmp = tempfile.mkdtemp(prefix="bench-")
-    procs, outs = [], []
-    for rank in range(world):
-        out = os.path.join(tmp, f"rank{rank}.json")
-        outs.append(out)
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": master, "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "POSEIDON_TOKEN": BENCH_TOKEN,
-               "GLOO_SOCKET_IFNAME": "eth0" if namespaces else "lo", "PYTHONPATH": os.getcwd()}
-        command = [sys.executable, "-m", module, "--worker", json.dumps({**cfg, "rank": rank, "world": world, "out": out})]
-        if namespaces:
-            command = ["ip", "netns", "exec", namespaces[rank], *command]
-        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    deadline = time.monotonic() + timeout
-    for p in procs:
+    # A worker's stderr goes to a file, not a pipe nobody reads until the end (a worker that
+    # logs more than the pipe holds would block until the timeout); the folder goes with the run.
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        procs, outs, errs = [], [], []
         try:
-            p.wait(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise RuntimeError(f"{what or module} did not finish within {timeout} s")
-    failed = [(rank, p) for rank, p in enumerate(procs) if p.returncode != 0]
-    if failed:
-        # Every failed rank's last lines: the first one is often only a peer's victim.
-        tails = "\n".join(f"rank {rank}: ...{p.stderr.read()[-1500:]}" for rank, p in failed)
-        raise RuntimeError(f"{what or module} failed on ranks {[r for r, _ in failed]}:\n{tails}")
-    results = []
-    for out in outs:
-        with open(out) as f:
-            results.append(json.load(f))
-    return results
+            for rank in range(world):
+                out = os.path.join(tmp, f"rank{rank}.json")
+                outs.append(out)
+                env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": master, "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "POSEIDON_TOKEN": BENCH_TOKEN,
+                       "GLOO_SOCKET_IFNAME": "eth0" if namespaces else "lo", "PYTHONPATH": os.getcwd()}
+                command = [sys.executable, "-m", module, "--worker", json.dumps({**cfg, "rank": rank, "world": world, "out": out})]
+                if namespaces:
+                    command = ["ip", "netns", "exec", namespaces[rank], *command]
+                errs.append(open(os.path.join(tmp, f"rank{rank}.err"), "w+"))
+                procs.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=errs[-1]))
+            deadline = time.monotonic() + timeout
+            for p in procs:
+                try:
+                    p.wait(timeout=max(1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError(f"{what or module} did not finish within {timeout} s") from None
+            failed = [(rank, p) for rank, p in enumerate(procs) if p.returncode != 0]
+            if failed:
+                # Every failed rank's last lines: the first one is often only a peer's victim.
+                def tail(rank: int) -> str:
+                    errs[rank].seek(0)
+                    return errs[rank].read()[-1500:]
+
+                tails = "\n".join(f"rank {rank}: ...{tail(rank)}" for rank, _ in failed)
+                raise RuntimeError(f"{what or module} failed on ranks {[r for r, _ in failed]}:\n{tails}")
+            results = []
+            for out in outs:
+                with open(out) as f:
+                    results.append(json.load(f))
+            return results
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for f in errs:
+                f.close()
 
 
 def median_run(runs: list) -> dict:

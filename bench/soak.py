@@ -90,29 +90,29 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.warmup % args.every or args.warmup >= args.steps:
         parser.error("--warmup must be a multiple of --every and below --steps")
-    tmp = tempfile.mkdtemp(prefix="bench-soak-")
-    runs = {"trace off": "", f"trace on (ring {args.ring})": os.path.join(tmp, "soak.json")}
-    print(f"# bench soak: {args.workers} workers, {args.steps} steps, RSS every {args.every} steps, growth from step {args.warmup}")
-    print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}")
-    print()
-    print("| run | steps/s | RSS at warm-up (MiB) | RSS at end (MiB) | growth (largest rank) |")
-    print("|---|---|---|---|---|")
-    figures = {}
-    for label, trace in runs.items():
-        results = soak(args.workers, args.steps, args.every, trace, args.ring)
-        worst = None
-        for rank, (samples, elapsed) in results.items():
-            at = dict(samples)
-            start, end = at[args.warmup], samples[-1][1]
-            growth = (end - start) / start * 100
-            if worst is None or growth > worst[0]:
-                worst = (growth, start, end, args.steps / elapsed)
-        growth, start, end, rate = worst
-        figures[label] = round(growth, 2)
-        print(f"| {label} | {rate:.0f} | {start / 2**20:.1f} | {end / 2**20:.1f} | {growth:+.2f} % |")
-    print()
-    print(json.dumps({"bench": "soak", "workers": args.workers, "steps": args.steps, "warmup": args.warmup,
-                      "rss_growth_pct": figures, "max_rss_growth_pct": max(figures.values())}))
+    with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:  # the traced run's file goes with it
+        runs = {"trace off": "", f"trace on (ring {args.ring})": os.path.join(tmp, "soak.json")}
+        print(f"# bench soak: {args.workers} workers, {args.steps} steps, RSS every {args.every} steps, growth from step {args.warmup}")
+        print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}")
+        print()
+        print("| run | steps/s | RSS at warm-up (MiB) | RSS at end (MiB) | growth (largest rank) |")
+        print("|---|---|---|---|---|")
+        figures = {}
+        for label, trace in runs.items():
+            results = soak(args.workers, args.steps, args.every, trace, args.ring)
+            worst = None
+            for rank, (samples, elapsed) in results.items():
+                at = dict(samples)
+                start, end = at[args.warmup], samples[-1][1]
+                growth = (end - start) / start * 100
+                if worst is None or growth > worst[0]:
+                    worst = (growth, start, end, args.steps / elapsed)
+            growth, start, end, rate = worst
+            figures[label] = round(growth, 2)
+            print(f"| {label} | {rate:.0f} | {start / 2**20:.1f} | {end / 2**20:.1f} | {growth:+.2f} % |")
+        print()
+        print(json.dumps({"bench": "soak", "workers": args.workers, "steps": args.steps, "warmup": args.warmup,
+                          "rss_growth_pct": figures, "max_rss_growth_pct": max(figures.values())}))
 
 
 if __name__ == "__main__":
