@@ -16,7 +16,8 @@ What is scaled, and why the figures still are the paper's:
   factors (K(M + N)) both shrink by s and HybComm's comparison is unchanged. The link rate is
   divided by s too: every transfer takes the time it takes at full size. DDP's bucket sizes
   (1 MiB first, then 25 MiB) are divided by s too, so a bucket holds the layers it would hold
-  at full size and overlaps the backward as much.
+  at full size and overlaps the backward as much; so is the PS's key-value pair (2 MiB), so a
+  layer is cut into the keys, over the shards, that it has at full size.
 * **Time**, by ``--dilation`` d (2 cores must move 16 processes' bytes): replayed compute runs d
   times slower and the link d times slower still; reported times are divided by d.
 * **Compute** is replayed at ``--device-tflops`` (default 4.2: a Titan X running VGG19 at the
@@ -160,6 +161,7 @@ def worker(cfg: dict) -> None:
     else:
         import poseidon_aio
         from poseidon_aio import kernels
+        from poseidon_aio.cluster.book import DEFAULT_CHUNK_BYTES
         from poseidon_aio.sync import MergeConfig
 
         rate, grow = cfg["tflops"] * 1e12, cfg["scale"] ** 1.5  # an FC layer's K M N shrank by s^1.5
@@ -171,9 +173,14 @@ def worker(cfg: dict) -> None:
 
         async def main():
             stats = []
-            # The merge trials' DDP buckets shrink with the bytes, as DDP's own do (above).
+            # The merge trials' DDP buckets shrink with the bytes, as DDP's own do (above), and so
+            # do the PS's key-value pairs: at 2 MiB a pair of the scaled model, a layer that is
+            # several keys on several shards at full size would be one key on one shard, its
+            # P - 1 pushes converging on one link (Inception-V3's 512 KiB head at 8 workers:
+            # TCP retransmissions on every link, WFBP 11 % slower than the full-size plan).
             merge = MergeConfig(bucket_bytes=tuple(int(b / cfg["scale"]) for b in MergeConfig().bucket_bytes))
-            async with poseidon_aio.Trainer(model, opt, loss_fn, mode=cfg["impl"], broadcast_buffers=False, merge=merge) as trainer:
+            ps = poseidon_aio.PSConfig(chunk_bytes=max(64, int(DEFAULT_CHUNK_BYTES / cfg["scale"])))
+            async with poseidon_aio.Trainer(model, opt, loss_fn, mode=cfg["impl"], broadcast_buffers=False, merge=merge, ps=ps) as trainer:
                 for t in range(total):
                     started = time.perf_counter()
                     stats.append(await trainer.step((x, None)))
