@@ -20,9 +20,9 @@ def spanning(arrays: Sequence[np.ndarray]) -> Optional[np.ndarray]:
     """One writeable 1-D view over ``arrays`` if each is C-contiguous and writeable, all have one
     dtype, and each starts at the byte where the one before ends; else ``None``.
 
-    The view holds only the first non-empty array's memory alive: keep every array referenced while it is
-    written (two allocations can happen to be adjacent; the bytes still land where each array
-    has them).
+    The view holds only the first non-empty array's memory alive: keep every array referenced
+    while it is written (two allocations can happen to be adjacent; the bytes still land where
+    each array has them).
 
     >>> buf = np.zeros(6, dtype=np.float32)
     >>> view = spanning([buf[0:2], buf[2:5]])
