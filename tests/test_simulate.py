@@ -137,10 +137,45 @@ def test_a_shard_fed_by_three_workers_at_half_rate_by_hand():
 
 
 def test_the_ps_slows_with_its_fan_in_where_the_link_binds():
-    ideal = run(fc_trace(M, N), 8, rate=RATE, link=Link(ALPHA, BETA), mode="naive")
-    lossy = run(fc_trace(M, N), 8, rate=RATE, link=Link(ALPHA, BETA), mode="naive", efficiency=FlowEfficiency({1: 1.0, 7: 0.5}))
+    # One key on one shard: all 7 pushes of it converge on that shard's down-link.
+    ideal = run(fc_trace(M, N), 8, rate=RATE, link=Link(ALPHA, BETA), mode="naive", chunk_bytes=B)
+    lossy = run(fc_trace(M, N), 8, rate=RATE, link=Link(ALPHA, BETA), mode="naive", efficiency=FlowEfficiency({1: 1.0, 7: 0.5}), chunk_bytes=B)
     assert lossy.link_bytes == ideal.link_bytes  # the same bytes, delivered slower
-    assert 1.5 < lossy.exposed / ideal.exposed <= 2.0
+    assert 1.25 < lossy.exposed / ideal.exposed <= 2.0
+
+
+def test_a_shard_s_pushes_are_fed_as_by_p_minus_1_over_k_senders_by_hand():
+    # A message of a layer spread over k shards: each worker's pushes share its up-link k ways
+    # at once, so a shard's down-link takes P - 1 senders at 1/k of the rate each, as (P - 1)/k
+    # at full rate would feed it (never fewer than one).
+    eff = FlowEfficiency({1: 1.0, 7: 0.5})
+    nbytes = 1 << 20
+    for senders, fraction in ((None, 0.5), (7 / 2, 1.0 - 0.5 * 2.5 / 6), (7 / 8, 1.0)):
+        links = simulator._Links(8, Link(ALPHA, BETA), None, efficiency=eff)
+        links.gather(0.0, 0, nbytes, Kind.PUSH, senders=senders)
+        assert links.down[0] == pytest.approx(7 * nbytes * BETA / fraction, rel=1e-12)
+        assert list(links.up[1:]) == pytest.approx([ALPHA + nbytes * BETA] * 7, rel=1e-12)
+
+
+def test_a_ps_message_spread_over_every_shard_is_pushed_as_by_fewer_senders_by_hand():
+    eff = FlowEfficiency({1: 1.0, 7: 0.5})
+    nbytes = 1 << 18
+    for shards, fraction in ((list(range(8)), 1.0), ([0] * 8, 0.5), ([0, 1] * 4, 1.0 - 0.5 * 2.5 / 6)):
+        sim = simulator._Simulation([], 8, RATE, (Link(ALPHA, BETA), None, True, 0.0, eff), B)
+        sim.ps(0.0, 0, [(s, nbytes) for s in shards])  # the pushes are on the links at once
+        per_shard = {s: shards.count(s) for s in shards}
+        for s, count in per_shard.items():
+            assert sim.links.down[s] == pytest.approx(count * 7 * nbytes * BETA / fraction, rel=1e-12)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(p=st.sampled_from([3, 5, 8, 16]), pieces=st.sampled_from([1, 2, 4, 16]))
+def test_a_layer_spread_over_more_shards_loses_no_more_to_its_pushes_fan_in(p, pieces):
+    eff = FlowEfficiency({1: 0.9, 7: 0.6, 15: 0.5})
+    one = run(fc_trace(M, N), p, rate=RATE, link=Link(ALPHA, BETA), mode="wfbp", efficiency=eff, chunk_bytes=B)
+    spread = run(fc_trace(M, N), p, rate=RATE, link=Link(ALPHA, BETA), mode="wfbp", efficiency=eff, chunk_bytes=B // pieces)
+    ideal = run(fc_trace(M, N), p, rate=RATE, link=Link(ALPHA, BETA), mode="wfbp", chunk_bytes=B // pieces)
+    assert ideal.time <= spread.time <= one.time * (1 + 1e-9) + pieces * ALPHA
 
 
 def test_a_ring_and_ddp_pay_the_one_sender_efficiency_at_every_step_by_hand():

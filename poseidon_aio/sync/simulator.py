@@ -52,8 +52,16 @@ less than its rate: TCP streams converging on one capped link overflow its queue
 (incast). :class:`FlowEfficiency` is that loss as measured (``bench patterns``: a ring's one flow
 each way, an all-to-all's P - 1), the fraction of its rate a down-link delivers with ``n``
 senders; a delivery then takes ``bytes * beta / efficiency(n)`` of its down-link, ``n`` being the
-pattern's senders into it: P - 1 for a shard's pushes, an SFB exchange or a direct all-reduce's
-parts, the shards a PS message spans for a worker's replies, one for a ring's step and DDP's.
+pattern's senders into it: P - 1 for an SFB exchange or a direct all-reduce's parts, the shards
+a PS message spans for a worker's replies, one for a ring's step and DDP's. A shard's pushes:
+(P - 1) / k, at least one, where the layer's (or merge group's) messages span k shards. Each
+worker pushes to the k shards at once, its up-link shared k ways, so a shard's down-link is fed
+by P - 1 senders at 1 / k of the rate each, as by (P - 1) / k at full rate. Validated by
+``bench paper`` (2026-11-26, bench/RESULTS.md): with P - 1 for every push, VGG19-22K's WFBP, its
+FC layers spread over every shard, came out 11.7 % and 19.7 % slower than emulated at 8 and 16
+workers; with (P - 1) / k, 1.3 % and 5.6 %, and every other point of three models within 5 %.
+The same rule for the replies (a worker fed by k shards, each sharing its up-link P - 1 ways)
+put the naive PS at 16 workers 11.8 % fast: their fan-outs start together, as the pushes' do not.
 
 What it ignores: TCP dynamics (slow start, losses, incast collapse: unless ``efficiency`` states
 what they cost), CPU contention between the
@@ -218,8 +226,9 @@ class _Links:
         """Seconds a byte takes a down-link that ``senders`` feed at once (a number or an array)."""
         return self.beta_in if self.efficiency.ideal else self.beta_in / self.efficiency(senders)
 
-    def gather(self, t: float, dest: int, nbytes: int, kind: Kind) -> float:
-        """Every node but ``dest`` sends it one message of ``nbytes``: when the last is in."""
+    def gather(self, t: float, dest: int, nbytes: int, kind: Kind, senders: Optional[float] = None) -> float:
+        """Every node but ``dest`` sends it one message of ``nbytes``: when the last is in.
+        ``senders``: the fan-in its down-link sees (default P - 1; see the module doc)."""
         if self.nodes < 2:
             return t
         keep = self.up[dest]
@@ -228,7 +237,7 @@ class _Links:
         self.up[dest] = -math.inf
         last = float(self.up.max())
         self.up[dest] = keep
-        self.down[dest] = max(t, self.down[dest]) + (self.nodes - 1) * nbytes * self.beta_down(self.nodes - 1)
+        self.down[dest] = max(t, self.down[dest]) + (self.nodes - 1) * nbytes * self.beta_down(self.nodes - 1 if senders is None else senders)
         self.up_bytes += nbytes
         self.up_bytes[dest] -= nbytes
         self.sent += 1
@@ -433,8 +442,8 @@ class _Simulation:
 
     def ps(self, t: float, unit: int, messages: list) -> None:
         shards = len({shard for shard, _ in messages})  # they reply to every worker at once
-        for shard, nbytes in messages:  # pushed one after another, in message order
-            self.at(self.links.gather(t, shard, nbytes, Kind.PUSH), self._reply, unit, shard, nbytes, shards)
+        for shard, nbytes in messages:  # one after another on the up-link, in message order
+            self.at(self.links.gather(t, shard, nbytes, Kind.PUSH, senders=max(1.0, (self.P - 1) / shards)), self._reply, unit, shard, nbytes, shards)
 
     def _reply(self, t: float, unit: int, shard: int, nbytes: int, shards: int) -> None:
         self._finish(unit, self.links.fan_out(t, shard, nbytes, Kind.AGGREGATE, senders=min(shards, self.P - 1)))
