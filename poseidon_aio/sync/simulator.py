@@ -442,8 +442,9 @@ class _Simulation:
 
     def ps(self, t: float, unit: int, messages: list) -> None:
         shards = len({shard for shard, _ in messages})  # they reply to every worker at once
+        fan_in = max(1.0, (self.P - 1) / shards)  # each worker's up-link shared by the shards at once
         for shard, nbytes in messages:  # one after another on the up-link, in message order
-            self.at(self.links.gather(t, shard, nbytes, Kind.PUSH, senders=max(1.0, (self.P - 1) / shards)), self._reply, unit, shard, nbytes, shards)
+            self.at(self.links.gather(t, shard, nbytes, Kind.PUSH, senders=fan_in), self._reply, unit, shard, nbytes, shards)
 
     def _reply(self, t: float, unit: int, shard: int, nbytes: int, shards: int) -> None:
         self._finish(unit, self.links.fan_out(t, shard, nbytes, Kind.AGGREGATE, senders=min(shards, self.P - 1)))
