@@ -39,6 +39,7 @@ def _recording_loop(factory):
     return make
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-asyncio's hook: unknown where it is not installed
 def pytest_asyncio_loop_factories(config, item):
     factories = {"asyncio": _recording_loop(asyncio.new_event_loop)}
     if uvloop is not None:

@@ -55,3 +55,15 @@ def test_every_exception_the_library_defines_is_a_poseidon_error():
         "print(bad)"
     )
     assert _python(code) == "[]"
+
+
+def test_the_gpu_tests_collect_where_pytest_asyncio_is_not_installed():
+    # scripts/gpu-check.sh runs on a lent machine's own interpreter, which may lack pytest-asyncio:
+    # a conftest hook of that plugin must be optional there, or pytest stops before any test
+    # (it did, on 2026-11-26: "unknown hook 'pytest_asyncio_loop_factories'").
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:asyncio", "-p", "no:cacheprovider", "--collect-only", "tests/test_gpu.py"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
