@@ -1,0 +1,55 @@
+"""Repeat the GPU runs that once failed now and then: Project Adam's scheme (4 runs a round) and
+SFB beside all-reduce and PS (1 run), 3 worker processes on one GPU, an MLP and a CNN, each run
+compared with the single-process CPU reference (within 1e-4) and across ranks (bit for bit).
+
+Run from the repository root where torch sees a GPU, after ``scripts/gpu-check.sh`` built the
+codec: ``PYTHONPATH=$PWD python3 scripts/gpu-repeat.py SECONDS [TAG]``. It prints a line per run
+and a summary; ``CUDA_LAUNCH_BLOCKING=1`` in front runs every kernel synchronously (a failure that
+goes away then is an ordering between streams). ``DEV=cpu`` runs the same on CPU tensors staged as
+on a GPU (to try the script without one).
+"""
+import os
+import sys
+import time
+
+import numpy as np
+
+from tests.cluster import run_workers
+from tests.trainworkers import single_process, train_worker
+
+SPECS = [
+    {"kind": "mlp", "inputs": 40, "hidden": [96, 48], "classes": 6},
+    {"kind": "cnn", "channels": 4, "side": 8, "hidden": [32], "classes": 5},
+]
+
+
+def main() -> None:
+    budget = float(sys.argv[1]) if len(sys.argv) > 1 else 120
+    tag = sys.argv[2] if len(sys.argv) > 2 else "gpu"
+    where = {"device": "cuda"} if os.environ.get("DEV", "cuda") == "cuda" else {"device": "cpu", "force_staging": True}
+    workers, seed, steps, size = 3, 11, 3, 4
+    refs = {s["kind"]: single_process(s, seed, workers, steps, size) for s in SPECS}
+    start, rnd, fails, total = time.time(), 0, 0, 0
+    while time.time() - start < budget:
+        for spec in SPECS:
+            runs = [(f"adam{i}", "poseidon", "adam-first-linear", None, where) for i in range(4)]
+            runs.append(("mixed", "poseidon", "mixed", None, where))
+            t = time.time()
+            res = run_workers(workers, train_worker, spec, seed, runs, steps, size, {}, timeout=300)
+            for label, *_ in runs:
+                params = [res[r][label]["params"] for r in range(workers)]
+                same = all(a.tobytes() == b.tobytes() for r in range(1, workers) for a, b in zip(params[0], params[r]))
+                errs = [float(np.max(np.abs(a - b))) for a, b in zip(params[0], refs[spec["kind"]])]
+                bad = max(errs) > 1e-4 or not same
+                total += 1
+                fails += bad
+                print(f"{tag} round {rnd} {spec['kind']} {label}: {'FAIL' if bad else 'ok'} replicas identical {same}, "
+                      f"worst error a parameter {['%.1e' % e for e in errs]}", flush=True)
+            print(f"{tag} round {rnd} {spec['kind']}: {time.time() - t:.1f} s", flush=True)
+        rnd += 1
+    print(f"{tag}: {fails} of {total} runs failed", flush=True)
+    sys.exit(1 if fails else 0)
+
+
+if __name__ == "__main__":
+    main()
