@@ -582,3 +582,33 @@ def test_bench_paper_reports_saved_results_on_ideal_links_with_the_saved_fan_in_
     ideal = paper.main([*args, "--efficiency", "ideal"])
     assert ideal["fan_in_efficiency"] is None and ideal["sim_vs_emulated_max_error_ideal_links"] == out["sim_vs_emulated_max_error_ideal_links"]
     assert "| simulated, ideal links | error | simulated, layer overhead | error |" in capsys.readouterr().out
+
+
+_SAVED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "data", "paper")
+
+
+@pytest.mark.parametrize(
+    "model, workers, impls",
+    [
+        ("vgg19", "1,2,4,8,16", "naive,wfbp,poseidon,ddp"),
+        ("vgg19_22k", "1,2,4,8,16", "naive,wfbp,poseidon,ddp"),
+        ("inception_v3", "1,2,4,8", "naive,wfbp,poseidon,ddp"),
+        ("inception_v3", "1,16", "wfbp,poseidon,ddp"),
+        ("resnet152", "1,2,4,8", "naive,wfbp,poseidon,ddp"),
+        ("resnet152", "1,16", "wfbp,poseidon,ddp"),
+    ],
+)
+def test_the_simulator_stays_within_10_percent_of_the_saved_emulations(model, workers, impls, tmp_path):
+    # Issue 12's validation, kept: the emulated runs of `bench paper` (bench/data/paper, 2026-11-26)
+    # reported again against the simulator as it is now, with the links' fan-in and the per-layer
+    # overhead those runs measured. A change of the simulator that moves any point past 10 % fails
+    # here. The naive PS at 16 workers on Inception-V3 (10.7 %) and ResNet-152 (55 %, a collapse
+    # the simulator does not model) are left out: bench/RESULTS.md says why.
+    from bench import paper
+
+    out = paper.main([
+        "--models", model, "--workers", workers, "--impls", impls, "--out", str(tmp_path),
+        "--from-json", os.path.join(_SAVED, model, "paper-emulated.json"),
+    ])
+    assert out["fan_in_efficiency"], "the saved fan-in curve was not found beside the saved runs"
+    assert out["sim_vs_emulated_max_error"] <= 0.10, out["sim_vs_emulated_max_error"]
