@@ -8,14 +8,13 @@ bit for bit, and the single-process CPU result within float32 reordering.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from poseidon_aio import kernels
 
 from .cluster import run_workers
-from .trainworkers import build_model, single_process, train_worker
+from .trainworkers import run_failures, single_process, train_worker
 
 pytestmark = [
     pytest.mark.slow,
@@ -52,19 +51,6 @@ def test_every_mode_on_a_gpu_keeps_replicas_identical_and_equals_one_process(spe
     res = run_workers(workers, train_worker, spec, seed, RUNS, steps, size, {}, timeout=300)
     reference = single_process(spec, seed, workers, steps, size)
     # Every run checked, every failure named (with its schemes): a GPU is rarely at hand to rerun.
-    failures = []
-    for label, *_ in RUNS:
-        params, schemes = res[0][label]["params"], res[0][label]["schemes"]
-        for r in range(1, workers):
-            if any(a.tobytes() != b.tobytes() for a, b in zip(params, res[r][label]["params"])):
-                failures.append(f"{label}: rank {r}'s replica differs from rank 0's (schemes {schemes})")
-        for (name, _), a, ref in zip(_names(spec), params, reference):
-            if not np.allclose(a, ref, rtol=1e-4, atol=1e-5):
-                worst = float(np.max(np.abs(a - ref)))
-                failures.append(f"{label}: {name} differs from the single-process CPU run by up to {worst:.2e} (schemes {schemes})")
+    failures = [f for label, *_ in RUNS for f in run_failures(res, label, spec, reference, workers)]
     assert not failures, "\n".join(failures)
     assert "sfb" in res[0]["mixed"]["schemes"].values(), res[0]["mixed"]["schemes"]
-
-
-def _names(spec):
-    return list(build_model(spec, 0).named_parameters())

@@ -51,6 +51,24 @@ def single_process(spec: dict, seed: int, workers: int, steps: int, size: int) -
     return [p.detach().numpy().copy() for p in model.parameters()]
 
 
+def run_failures(res: dict, label: str, spec: dict, reference: list, workers: int) -> list:
+    """What is wrong with run ``label`` of ``res`` (``train_worker``'s results by rank), each named
+    with its schemes: a rank whose replica differs from rank 0's bit for bit, a parameter off the
+    single-process ``reference`` (rtol 1e-4, atol 1e-5: float32 reordering)."""
+    import numpy as np
+
+    params, schemes = res[0][label]["params"], res[0][label]["schemes"]
+    failures = []
+    for r in range(1, workers):
+        if any(a.tobytes() != b.tobytes() for a, b in zip(params, res[r][label]["params"])):
+            failures.append(f"{label}: rank {r}'s replica differs from rank 0's (schemes {schemes})")
+    for (name, _), a, ref in zip(build_model(spec, 0).named_parameters(), params, reference):
+        if not np.allclose(a, ref, rtol=1e-4, atol=1e-5):
+            worst = float(np.max(np.abs(a - ref)))
+            failures.append(f"{label}: {name} differs from the single-process CPU run by up to {worst:.2e} (schemes {schemes})")
+    return failures
+
+
 def _two_plans() -> None:
     """Make the planners disagree, whatever this machine measured: Algorithm 1's plan one message
     of every layer, the exact one's the layers in pairs (what the trainer does with two plans is
