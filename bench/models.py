@@ -187,6 +187,10 @@ class Replay(torch.autograd.Function):
         grad_x = zeros(ctx.x_shape, dtype=ctx.x_dtype) if ctx.needs_input_grad[0] else None
         if layer.replay_skip_weight_grad:  # no weight gradient at all, as train.layers does for real
             return (grad_x, None, *(None for _ in layer.replay_grads))
+        if getattr(layer, "sparse", False):  # nn.Embedding(sparse=True): its rows as a sparse gradient, as for real
+            if getattr(layer, "replay_sparse", None) is None:
+                layer.replay_sparse = [g.to_sparse(sparse_dim=1) for g in layer.replay_grads]  # rows, as an embedding's
+            return (grad_x, None, *(g.clone() for g in layer.replay_sparse))
         return (grad_x, None, *layer.replay_grads)
 
 
@@ -242,6 +246,11 @@ def replay(model: nn.Module, batch, tflops: float) -> nn.Module:
         m.replay_fwd_s = _flops(m, x, out) / (tflops * 1e12)
         m.replay_out = torch.zeros_like(out)
         m.replay_grads = [torch.randn_like(p) * 1e-3 for p in params]
+        if isinstance(m, nn.Embedding) and not m.sparse:
+            # As a real one's: zero but in the rows of the batch's tokens (the rows scheme sends only those).
+            touched = torch.zeros(m.num_embeddings, 1)
+            touched[x.reshape(-1).unique()] = 1.0
+            m.replay_grads[0].mul_(touched)
         m.replay_skip_weight_grad = False
         m.replay_lazy = True
         m.replay_in = (tuple(x.shape), x.dtype)

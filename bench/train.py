@@ -52,8 +52,8 @@ def impl_variant(impl: str) -> tuple:
     ``ps+allreduce``), so that variants run interleaved with the rest in one run."""
     mode, *settings = impl.split(":")
     variant = dict(s.split("=", 1) for s in settings if "=" in s)
-    if mode not in IMPLS or len(variant) < len(settings) or set(variant) - {"chunk", "merge", "allreduce", "hybcomm"}:
-        raise SystemExit(f"--impls: {impl!r} is not one of {IMPLS}, with settings chunk=, merge=, allreduce=, hybcomm=")
+    if mode not in IMPLS or len(variant) < len(settings) or set(variant) - {"chunk", "merge", "allreduce", "hybcomm", "sparse"}:
+        raise SystemExit(f"--impls: {impl!r} is not one of {IMPLS}, with settings chunk=, merge=, allreduce=, hybcomm= (ours), sparse=1 (DDP's)")
     return mode, variant
 
 
@@ -75,11 +75,15 @@ def worker(cfg: dict) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     total = cfg["warmup"] + cfg["steps"]
     times, cpu, loop_cpu, extra = [], [], [], {}
-    if cfg["impl"] == "ddp":
+    if impl_variant(cfg["impl"])[0] == "ddp":
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
         dist.init_process_group("gloo", rank=cfg["rank"], world_size=cfg["world"])
+        if impl_variant(cfg["impl"])[1].get("sparse") == "1":
+            for m in model.modules():
+                if isinstance(m, torch.nn.Embedding):
+                    m.sparse = True
         ddp = DistributedDataParallel(model)
         # One barrier, then the steps back to back, as a user's loop runs them and as ours are
         # timed: a barrier before every step would leave out of DDP's step the time a rank waits
@@ -156,7 +160,7 @@ def worker(cfg: dict) -> None:
 
 
 def run_config(impl: str, model: str, world: int, link: str, compute: str, args, namespaces) -> dict:
-    shaper_rate = RATES[link][1] if link != "loopback" and not namespaces and impl != "ddp" else None
+    shaper_rate = RATES[link][1] if link != "loopback" and not namespaces and impl_variant(impl)[0] != "ddp" else None
     cfg = dict(impl=impl, model=model, compute=compute, tflops=args.device_tflops, warmup=args.warmup, steps=args.steps, shaper_rate=shaper_rate, allreduce=args.allreduce, merge=args.merge, group_spread_bytes=args.group_spread_bytes)
     ranks = launch("bench.train", world, cfg, namespaces=namespaces, timeout=args.timeout, what=f"{impl} {model} x{world} on {link} ({compute})")
     # The job's step is its slowest rank's.

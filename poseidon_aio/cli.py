@@ -130,7 +130,7 @@ def _explain(args: argparse.Namespace) -> int:
         cost = layer_cost(layer, args.workers, servers)
         choice = best_scheme(layer, args.workers, servers)
         hybrid = hybcomm_choice(layer, args.workers, servers, link=link, candidates=candidates)
-        floats = {Scheme.PS: cost.ps_combined, Scheme.SFB: cost.sfb, Scheme.ALLREDUCE: cost.allreduce}
+        floats = {Scheme.PS: cost.ps_combined, Scheme.SFB: cost.sfb, Scheme.ALLREDUCE: cost.allreduce, Scheme.ROWS: cost.rows}
         fc = layer.kind == "fc"
         row = {
             "name": layer.name, "kind": layer.kind.value, "shape": [layer.m, layer.n] if fc else [layer.params],

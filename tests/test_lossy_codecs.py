@@ -1,4 +1,4 @@
-"""The compressed payloads' codecs (wire/half.py, wire/lowrank.py, wire/sparse.py): round trips
+"""The compressed payloads' codecs (wire/half.py, wire/lowrank.py, wire/sparse.py) and the rows scheme's (wire/rows.py): round trips
 under hypothesis, and malformed payloads — fuzzed and hand-made — raise RemoteProtocolError naming
 the layer and the rank, nothing else."""
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from poseidon_aio.errors import LocalProtocolError, RemoteProtocolError
-from poseidon_aio.wire import DType, Frame, Header, Kind, half, lowrank, sparse
+from poseidon_aio.wire import DType, Frame, Header, Kind, half, lowrank, rows, sparse
 
 WHAT = "layer blocks.0.fc1 at clock 7"
 RANK = 5
@@ -165,6 +165,54 @@ def test_sparse_refuses_another_length(length):
         sparse.decode(_frame(b"\0" * length, DType.BYTES), 1, 2, 10, what=WHAT)
 
 
+# -- rows ---------------------------------------------------------------------------------------
+
+
+@st.composite
+def row_sparse_grads(draw):
+    vocab, width = draw(st.integers(1, 40)), draw(st.integers(1, 6))
+    grad = np.zeros((vocab, width), np.float32)
+    for i in draw(st.sets(st.integers(0, vocab - 1), max_size=vocab)):
+        grad[i] = draw(hnp.arrays(np.float32, width, elements=st.floats(width=32, allow_nan=True, allow_infinity=True)))
+    return grad
+
+
+@settings(max_examples=200, deadline=None)
+@given(grad=row_sparse_grads())
+def test_rows_round_trip_rebuilds_the_gradient_bit_for_bit(grad):
+    idx, values = rows.touched(grad)
+    assert idx.size == int(np.count_nonzero(grad.any(axis=1)))
+    payload = rows.encode(idx, values)
+    assert sum(p.nbytes for p in payload) == rows.nbytes(idx.size, grad.shape[1])
+    i, v = rows.decode(_frame(payload, rows.DTYPE), *grad.shape, what=WHAT)
+    rebuilt = np.zeros_like(grad)
+    rebuilt[i] = v
+    assert rebuilt.tobytes() == np.where(grad.any(axis=1, keepdims=True), grad, np.float32(0)).tobytes()
+    assert np.array_equal(rebuilt, grad, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "indices,match", [([3, 10], "the row 10 for .*vocabulary is 10 rows"), ([4, 4], "rows that do not strictly increase .*position 1: 4 then 4"), ([5, 2], "rows that do not .*position 1: 5 then 2")]
+)
+def test_rows_refuse_a_row_out_of_range_repeated_or_unordered(indices, match):
+    frame = _frame([np.array(indices, np.uint32), np.ones((2, 3), np.float32)], rows.DTYPE)
+    with pytest.raises(RemoteProtocolError, match=f"rank {RANK} sent {match}"):
+        rows.decode(frame, 10, 3, what=WHAT)
+
+
+@pytest.mark.parametrize("length,dtype", [(15, DType.BYTES), (17, DType.BYTES), (16 * 11, DType.BYTES), (16, DType.FLOAT32)])
+def test_rows_refuse_a_part_row_more_rows_than_the_vocabulary_or_another_dtype(length, dtype):
+    with pytest.raises(RemoteProtocolError, match=f"rank {RANK} sent {length} bytes of {dtype.name} for {WHAT}: expected a whole number of rows of 16 bytes"):
+        rows.decode(_frame(b"\0" * length, dtype), 10, 3, what=WHAT)
+
+
+def test_rows_encoding_the_wrong_arrays_is_our_error():
+    with pytest.raises(LocalProtocolError, match="uint32 indices and as many float32 rows"):
+        rows.encode(np.zeros(2, np.int64), np.zeros((2, 3), np.float32))
+    with pytest.raises(LocalProtocolError):
+        rows.encode(np.zeros(3, np.uint32), np.zeros((2, 3), np.float32))
+
+
 # -- fuzz ---------------------------------------------------------------------------------------
 
 
@@ -186,6 +234,7 @@ def test_fuzz_every_decoder_returns_or_raises_remote_protocol_error_naming_layer
         lambda: lowrank.decode(frame, n, what=WHAT),
         lambda: sparse.decode(frame, dense, k, size, what=WHAT),
         lambda: sparse.decode_layers(frame, [(dense, k, size), (k, dense, size)], what=WHAT, names=["a", "b"]),
+        lambda: rows.decode(frame, size, max(1, dense), what=WHAT),
     ):
         try:
             decode()

@@ -61,6 +61,38 @@ def test_every_mode_keeps_replicas_identical_and_equals_one_process(spec, worker
     assert all(a.tobytes() == b.tobytes() for a, b in zip(first["params"], again["params"]))
 
 
+LM_RUNS = [
+    ("poseidon", "poseidon", None),  # HybComm's choice on the measured link
+    ("rows", "poseidon", "rows-mixed"),  # rows, SFB and all-reduce side by side
+    ("rows-merged", "poseidon", "rows-mixed", "single"),  # the others merged around the rows layer
+    ("wfbp", "wfbp", None),  # every layer on the PS, the embedding dense
+]
+
+lm_specs = st.fixed_dictionaries(
+    {"kind": st.just("lm"), "vocab": st.integers(20, 200), "width": st.integers(2, 12), "sequence": st.integers(1, 6), "hidden": st.lists(st.integers(4, 16), min_size=1, max_size=1), "classes": st.integers(2, 5)}
+)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(spec=lm_specs, workers=st.integers(2, 4), seed=st.integers(0, 1000))
+def test_an_embedding_synced_by_its_rows_keeps_replicas_identical_and_equals_one_process(spec, workers, seed):
+    steps, size = 3, 4
+    res = run_workers(workers, train_worker, spec, seed, LM_RUNS, steps, size, {}, timeout=240)
+    reference = single_process(spec, seed, workers, steps, size)
+    for label, *_ in LM_RUNS:
+        params = res[0][label]["params"]
+        for r in range(1, workers):
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(params, res[r][label]["params"])), f"{label}: rank {r}'s replica differs from rank 0's"
+        for a, ref in zip(params, reference):
+            np.testing.assert_allclose(a, ref, rtol=1e-5, atol=1e-6, err_msg=f"{label} differs from the single-process run")
+    assert res[0]["rows"]["schemes"] == {"embed": "rows", "fc": "sfb", "head": "allreduce"}
+    assert res[0]["wfbp"]["schemes"]["embed"] == "ps"
+    # The rows run moved each rank's touched rows (at most size x sequence of them) to every peer
+    # and every peer's to it: sent and received, as the bytes count.
+    moved = res[0]["rows"]["bytes"]["rows"]
+    assert 0 < moved <= steps * 2 * (workers - 1) * 4 * min(spec["vocab"], size * spec["sequence"]) * (spec["width"] + 1)
+
+
 def test_hybcomm_uses_sfb_where_it_is_cheaper_and_bytes_match_the_cost_model():
     spec = {"kind": "mlp", "inputs": 64, "hidden": [96, 96], "classes": 2}  # the 96x2 head is cheaper by PS
     workers, steps, size = 3, 3, 4

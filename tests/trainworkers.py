@@ -6,8 +6,24 @@ import torch
 from torch import nn
 
 
+class TinyLM(nn.Module):
+    """An embedding (a gradient zero but in its batch's tokens' rows), a Linear on 3-D inputs,
+    a head."""
+
+    def __init__(self, spec: dict) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(spec["vocab"], spec["width"])
+        self.fc = nn.Linear(spec["width"], spec["hidden"][0])
+        self.head = nn.Linear(spec["hidden"][0], spec["classes"])
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.fc(self.embed(tokens))).mean(dim=1))
+
+
 def build_model(spec: dict, seed: int) -> nn.Module:
     torch.manual_seed(seed)
+    if spec["kind"] == "lm":
+        return TinyLM(spec)
     if spec["kind"] == "mlp":
         layers, width = [], spec["inputs"]
         for h in spec["hidden"]:
@@ -30,6 +46,8 @@ def build_model(spec: dict, seed: int) -> nn.Module:
 
 def batch(spec: dict, seed: int, rank: int, step: int, size: int):
     g = torch.Generator().manual_seed(seed * 7919 + rank * 104729 + step)
+    if spec["kind"] == "lm":
+        return torch.randint(0, spec["vocab"], (size, spec["sequence"]), generator=g), torch.randint(0, spec["classes"], (size,), generator=g)
     shape = (size, spec["inputs"]) if spec["kind"] == "mlp" else (size, 1, spec["side"], spec["side"])
     return torch.randn(*shape, generator=g), torch.randint(0, spec["classes"], (size,), generator=g)
 
@@ -120,6 +138,8 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
                 overrides = dict(out["poseidon"]["schemes"])
             elif overrides == "every-allreduce":
                 overrides = {n: "allreduce" for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))}
+            elif overrides == "rows-mixed":  # the embedding by rows, its Linear by SFB, the head by all-reduce
+                overrides = {"embed": "rows", "fc": "sfb", "head": "allreduce"}
             elif overrides == "mixed":  # the first Linear by SFB, then all-reduce and PS in turn
                 owners = [(n, m) for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
                 first = next(n for n, m in owners if isinstance(m, nn.Linear))

@@ -15,6 +15,7 @@ from .merge import Merging
 from .plan import Mode, PlanLayer, choose_schemes
 from .powersgd import PowerSGDSyncer
 from .ps import PSSyncer
+from .rows import RowsSyncer
 from .runtime import CALIBRATION_SIZES, MergeConfig, MergeKind, MergeRuntime
 from .sfb import SFBSyncer
 from .syncer import SYNCERS, SyncContext, Syncer, SyncResult, register, syncer_class
@@ -48,6 +49,7 @@ __all__ = [
     "Merging",
     "Mode",
     "PSSyncer",
+    "RowsSyncer",
     "PlanLayer",
     "SFBSyncer",
     "SYNCERS",

@@ -46,6 +46,7 @@ class Scheme(str, enum.Enum):
     SFB = "sfb"  # sufficient factor broadcasting over the worker mesh
     ADAM = "adam"  # Project Adam: factors to the PS, full matrices back
     ALLREDUCE = "allreduce"  # reduce-scatter + all-gather over the worker mesh
+    ROWS = "rows"  # an embedding's touched rows, all-gathered (exact: the rows no token touched are zero)
     # Lossy (sync/compress.py): opt-in with Trainer(compression=...); their time model, which
     # adds measured compute to alpha and beta, is sync/lossyplan.py's.
     FP16 = "fp16"  # all-reduce with scaled half-precision payloads, fp32 sums
@@ -54,15 +55,17 @@ class Scheme(str, enum.Enum):
 
 
 PAPER_SCHEMES = (Scheme.PS, Scheme.SFB)  # what ATC'17's HybComm chooses between
-HYBCOMM_SCHEMES = (Scheme.PS, Scheme.SFB, Scheme.ALLREDUCE)
+HYBCOMM_SCHEMES = (Scheme.PS, Scheme.SFB, Scheme.ALLREDUCE, Scheme.ROWS)
 LOSSY_SCHEMES = (Scheme.FP16, Scheme.POWERSGD, Scheme.TOPK)
 
 
 class LayerKind(str, enum.Enum):
-    """What the cost model knows of a layer: only fully-connected ones have sufficient factors."""
+    """What the cost model knows of a layer: only fully-connected ones have sufficient factors,
+    only embeddings a gradient whose rows are zero but for the tokens the batch holds."""
 
     FC = "fc"
     CONV = "conv"
+    EMBEDDING = "embedding"
     OTHER = "other"
 
 
@@ -70,8 +73,10 @@ class LayerKind(str, enum.Enum):
 class LayerShape:
     """What the cost model needs of a layer: its kind and matrix shape.
 
-    ``m`` is the output size and ``n`` the input size of a fully-connected layer (weight M×N);
-    for other layers ``m * n`` is the parameter count. ``rows`` is K per worker (FC only).
+    ``m`` is the output size and ``n`` the input size of a fully-connected layer (weight M×N),
+    the vocabulary and the width of an embedding (weight M×N); for other layers ``m * n`` is the
+    parameter count. ``rows`` is K per worker: an FC layer's input rows, an embedding's distinct
+    tokens (the rows its gradient can have).
     ``bias`` adds M floats synchronized with the weight.
     """
 
@@ -106,6 +111,7 @@ class Cost:
     cluster_ps: float
     cluster_sfb: float
     cluster_adam: float
+    rows: float = float("inf")  # an embedding's touched rows and their indices, in and out
 
 
 def layer_cost(layer: LayerShape, workers: int, servers: int) -> Cost:
@@ -134,6 +140,7 @@ def layer_cost(layer: LayerShape, workers: int, servers: int) -> Cost:
         cluster_ps=2.0 * p1 * mn,
         cluster_sfb=float((p1 - 1) ** 2 * k * (m + n)) if fc else float("inf"),
         cluster_adam=float(p1 * k * (m + n) + p1 * mn) if fc else float("inf"),
+        rows=2.0 * min(k, m) * (n + 1) * (p1 - 1) if layer.kind == "embedding" else float("inf"),
     )
 
 
@@ -181,7 +188,8 @@ def predicted_time(layer: LayerShape, scheme: Scheme, workers: int, servers: int
     ``2b (P - 1) / P`` each way in two phases (reduce-scatter, all-gather), whichever the
     algorithm (:func:`goes_round_ring`): both send 2 (P - 1) messages a worker, and a ring's
     P - 1 steps in a row per phase are latency that other layers' transfers overlap. SFB: one
-    round, ``K (M + N) (P - 1)`` floats each way.
+    round, ``K (M + N) (P - 1)`` floats each way. Rows (an embedding): one round, each worker's K
+    touched rows of N floats and their K indices to every peer, ``K (N + 1) (P - 1)`` each way.
     With ``link.flop``, an FC layer's weight gradient counts too: ``2 K M N`` FLOPs in autograd
     for PS and all-reduce, ``2 P K M N`` in SFB's rebuild.
     """
@@ -201,6 +209,10 @@ def predicted_time(layer: LayerShape, scheme: Scheme, workers: int, servers: int
         if layer.kind is not LayerKind.FC or not layer.rows:
             return float("inf")
         return link.alpha + link.beta * itemsize * layer.rows * (layer.m + layer.n) * (p1 - 1) + p1 * gemm
+    if scheme is Scheme.ROWS:
+        if layer.kind is not LayerKind.EMBEDDING or not layer.rows:
+            return float("inf")
+        return link.alpha + link.beta * 4 * min(layer.rows, layer.m) * (layer.n + 1) * (p1 - 1)
     raise ConfigError(f"no time model for scheme {scheme.value!r}")
 
 

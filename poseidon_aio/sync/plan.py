@@ -13,7 +13,7 @@ from typing import Mapping, Optional, Sequence
 
 from ..errors import ConfigError
 from .compress import CompressionConfig
-from .cost import HYBCOMM_SCHEMES, LOSSY_SCHEMES, PAPER_SCHEMES, LayerShape, Link, Scheme, best_scheme, hybcomm_choice
+from .cost import HYBCOMM_SCHEMES, LOSSY_SCHEMES, PAPER_SCHEMES, LayerKind, LayerShape, Link, Scheme, best_scheme, hybcomm_choice
 from .lossyplan import unsuited
 from .syncer import syncer_class
 
@@ -87,6 +87,11 @@ def choose_schemes(
                 raise ConfigError(
                     f"layer {layer.name} ({layer.shape.kind.value}) cannot go by {scheme.value}: only an unshared "
                     "float32 nn.Linear has sufficient factors"
+                )
+            if scheme is Scheme.ROWS and layer.shape.kind is not LayerKind.EMBEDDING:
+                raise ConfigError(
+                    f"layer {layer.name} ({layer.shape.kind.value}) cannot go by rows: only an unshared float32 nn.Embedding "
+                    "has a gradient that is zero but for its batch's tokens"
                 )
             if scheme in LOSSY_SCHEMES:
                 why = unsuited(layer, scheme, compression.config if compression else CompressionConfig(), forced=True)

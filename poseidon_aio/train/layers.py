@@ -28,6 +28,9 @@ class Layer:
 
     ``factorable``: an unshared float32 ``nn.Linear`` whose weight and bias are all it owns: its
     gradient is a sum of sufficient factors, so SFB or Project Adam can sync it.
+    ``row_sparse``: an unshared float32 ``nn.Embedding`` with a dense gradient, its weight all it
+    owns: the gradient's rows are zero but for the batch's tokens, so the rows scheme can sync it
+    (a weight tied to an output layer gets that layer's dense gradient too).
     """
 
     index: int
@@ -36,11 +39,14 @@ class Layer:
     params: list  # [(qualified name, Parameter)]
     param_ids: list = field(default_factory=list)  # manifest indices
     factorable: bool = False
+    row_sparse: bool = False
 
     @property
     def kind(self) -> LayerKind:
         if isinstance(self.module, nn.Linear):
             return LayerKind.FC
+        if self.row_sparse:
+            return LayerKind.EMBEDDING
         if isinstance(self.module, nn.modules.conv._ConvNd):
             return LayerKind.CONV
         return LayerKind.OTHER
@@ -49,6 +55,9 @@ class Layer:
         if self.kind is LayerKind.FC:
             m, n = self.module.weight.shape
             return LayerShape(self.name, LayerKind.FC, m, n, rows=rows, bias=self.module.bias is not None)
+        if self.kind is LayerKind.EMBEDDING:
+            vocab, width = self.module.weight.shape
+            return LayerShape(self.name, LayerKind.EMBEDDING, vocab, width, rows=rows)
         total = sum(p.numel() for _, p in self.params)
         return LayerShape(self.name, self.kind, total, 1)
 
@@ -78,7 +87,14 @@ def discover(model: nn.Module) -> list:
             and (module.bias is None or (module.bias.requires_grad and users[id(module.bias)] == 1))
             and len(own) == (2 if module.bias is not None else 1)
         )
-        layers.append(Layer(len(layers), name or "<root>", module, own, factorable=factorable))
+        row_sparse = (
+            isinstance(module, nn.Embedding)
+            and not module.sparse
+            and module.weight.dtype is torch.float32
+            and users[id(module.weight)] == 1
+            and len(own) == 1
+        )
+        layers.append(Layer(len(layers), name or "<root>", module, own, factorable=factorable, row_sparse=row_sparse))
     return layers
 
 

@@ -922,8 +922,16 @@ class Trainer:
         self._shard_bytes_seen = moved
 
     def _measure_rows(self, batch) -> dict:
+        """K per layer in one forward of ``batch``: an FC layer's input rows, an embedding's
+        distinct tokens (the rows its gradient can have)."""
         for cap in self._captures.values():
             cap.reset(enabled=False)
+        tokens: dict = {}
+
+        def count(layer, module, inputs):
+            tokens.setdefault(layer.name, []).append(inputs[0].detach().reshape(-1))
+
+        hooks = [layer.module.register_forward_pre_hook(functools.partial(count, layer)) for layer in self.layers if layer.row_sparse]
         was = self.model.training
         self.model.train(False)  # evaluation mode: no side effects on BatchNorm statistics
         try:
@@ -931,7 +939,11 @@ class Trainer:
                 self._loss(batch)
         finally:
             self.model.train(was)
-        return {cap.layer.name: sum(cap.rows) for cap in self._captures.values()}
+            for hook in hooks:
+                hook.remove()
+        rows = {cap.layer.name: sum(cap.rows) for cap in self._captures.values()}
+        rows.update({name: int(torch.cat(seen).unique().numel()) for name, seen in tokens.items()})
+        return rows
 
     # -- MG-WFBP ----------------------------------------------------------------------------
 
