@@ -80,3 +80,25 @@ def hosts(n: int, rate: str):
         yield [_names(i)[0] for i in range(n)]
     finally:
         teardown(n)
+
+
+def tcp_counters() -> dict:
+    """This process's network namespace's TCP counters that say a link lost bytes:
+    ``{"retrans_segs", "timeouts", "loss_probes"}`` (RetransSegs of /proc/net/snmp; TCPTimeouts,
+    TCPLossProbes of /proc/net/netstat). A worker in its own namespace reads its own link's: no
+    watcher process, nothing on the cores while it runs. Zeros where the files are absent."""
+    wanted = {("Tcp", "RetransSegs"): "retrans_segs", ("TcpExt", "TCPTimeouts"): "timeouts", ("TcpExt", "TCPLossProbes"): "loss_probes"}
+    out = dict.fromkeys(wanted.values(), 0)
+    for path in ("/proc/net/snmp", "/proc/net/netstat"):
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        for names, values in zip(lines[::2], lines[1::2]):  # a header line, then its values
+            proto, _, keys = names.partition(":")
+            for key, value in zip(keys.split(), values.partition(":")[2].split()):
+                if (proto, key) in wanted:
+                    out[wanted[(proto, key)]] = int(value)
+    return out
+

@@ -128,7 +128,10 @@ def build_model(layers: list, tflops: float, dilation: float, scale: float):
 def worker(cfg: dict) -> None:
     import torch
 
+    from bench.netns import tcp_counters
+
     torch.set_num_threads(1)
+    tcp = {}  # this namespace's TCP counters when the timed steps begin and end
     layers = scaled_layers(cfg["model"], cfg["batch"], cfg["scale"])
     model, x = build_model(layers, cfg["tflops"], cfg["dilation"], cfg["scale"])
     loss_fn = lambda out, _: out.float().mean()  # noqa: E731 - replayed outputs are zeros
@@ -151,7 +154,9 @@ def worker(cfg: dict) -> None:
         # timed: a barrier before every step would leave out of DDP's step the time a rank waits
         # for a slower one (3-4 ms of the transformer's 46 at 4 workers, 1 Gbit).
         dist.barrier()
-        for _ in range(total):
+        for t in range(total):
+            if t == cfg["warmup"]:
+                tcp["begin"] = tcp_counters()
             started = time.perf_counter()
             opt.zero_grad()
             loss_fn(ddp(x), None).backward()
@@ -182,6 +187,8 @@ def worker(cfg: dict) -> None:
             ps = poseidon_aio.PSConfig(chunk_bytes=max(64, int(DEFAULT_CHUNK_BYTES / cfg["scale"])))
             async with poseidon_aio.Trainer(model, opt, loss_fn, mode=cfg["impl"], broadcast_buffers=False, merge=merge, ps=ps) as trainer:
                 for t in range(total):
+                    if t == cfg["warmup"]:
+                        tcp["begin"] = tcp_counters()
                     started = time.perf_counter()
                     stats.append(await trainer.step((x, None)))
                     times.append(time.perf_counter() - started)
@@ -201,6 +208,8 @@ def worker(cfg: dict) -> None:
             # what the plan's trials tried (ms a step) and kept: why a merged row is what it is
             "trial": info.get("trial"),
         }
+    end = tcp_counters()
+    extra["tcp"] = {k: end[k] - tcp["begin"][k] for k in end} if "begin" in tcp else {}
     d = cfg["dilation"]
     with open(cfg["out"], "w") as f:
         json.dump({"times": [t / d for t in times[cfg["warmup"]:]], **extra}, f)
@@ -224,6 +233,8 @@ def run(model: str, impl: str, world: int, args, rate_bits: float) -> dict:
     for key in ("merge_groups", "alpha_s", "trial"):
         if ranks[0].get(key) is not None:
             out[key] = ranks[0][key]
+    # The links' losses over the timed steps, every namespace's summed (each rank reads its own).
+    out["tcp"] = {k: sum(r.get("tcp", {}).get(k, 0) for r in ranks) for k in ("retrans_segs", "timeouts", "loss_probes")}
     if "bytes" in ranks[0]:
         out["compute_s"] = max(r["compute_s"] for r in ranks)
         # Bytes crossed the scaled link: scale back to what the full-size model moves.
@@ -465,7 +476,9 @@ def main(argv=None) -> dict:
                 for impl in impls if world > 1 else ["wfbp"]:  # one worker: compute alone, whatever the scheme
                     res = run(model, impl, world, args, rate_bits)
                     results[(model, world, impl)] = res
-                    print(f"  {model} x{world} {impl}: {res['step_s'] * 1e3:.0f} ms", file=sys.stderr, flush=True)
+                    tcp = res.get("tcp", {})
+                    print(f"  {model} x{world} {impl}: {res['step_s'] * 1e3:.0f} ms (timed steps: {tcp.get('retrans_segs', 0)} TCP segments "
+                          f"retransmitted, {tcp.get('timeouts', 0)} retransmission timeouts, all links)", file=sys.stderr, flush=True)
         with open(os.path.join(args.out, "paper-emulated.json"), "w") as f:
             json.dump({f"{m}|{w}|{i}": {k: v for k, v in r.items() if k != "rank0"} | {"schemes": r["rank0"].get("schemes")} for (m, w, i), r in results.items()}, f)
     efficiency = _efficiency(args, worlds, rate_bits) if args.simulate else None

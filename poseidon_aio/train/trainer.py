@@ -165,12 +165,12 @@ class Trainer:
             your optimizer then steps only the other layers, and merging is off.
         net: connection settings; by default the token (and TLS files) come from the environment
             (``POSEIDON_TOKEN`` / ``POSEIDON_TOKEN_FILE``, see :mod:`poseidon_aio.net.credentials`).
-        schemes: per-layer overrides, ``{"head.fc1": "ps" | "sfb" | "allreduce" | "adam"}``
-            (``adam``: Project Adam's scheme, factors pushed to the PS and full matrices pulled
-            back, for comparison).
+        schemes: per-layer overrides, ``{"head.fc1": "ps" | "sfb" | "allreduce" | "rows" |
+            "adam"}`` (``rows``: an ``nn.Embedding``'s touched rows; ``adam``: Project Adam's
+            scheme, factors pushed to the PS and full matrices pulled back, for comparison).
         hybcomm: the schemes mode ``poseidon`` weighs per layer, by their predicted time on the
-            link measured at start-up: PS, SFB and all-reduce by default; ``("ps", "sfb")`` is
-            the paper's HybComm.
+            link measured at start-up: PS, SFB, all-reduce and rows by default; ``("ps", "sfb")``
+            is the paper's HybComm.
         merge: :class:`~poseidon_aio.sync.MergeConfig` (planner, measured steps, calibration).
         bandwidth: the bandwidth manager, a :class:`~poseidon_aio.net.ShaperConfig` for all of
             this process's connections together (outbound bytes/s, a per-message start-up).
