@@ -65,6 +65,7 @@ LM_RUNS = [
     ("poseidon", "poseidon", None),  # HybComm's choice on the measured link
     ("rows", "poseidon", "rows-mixed"),  # rows, SFB and all-reduce side by side
     ("rows-merged", "poseidon", "rows-mixed", "single"),  # the others merged around the rows layer
+    ("rows-staged", "poseidon", "rows-mixed", None, {"force_staging": True}),  # a GPU's host buffers, on CPU tensors
     ("wfbp", "wfbp", None),  # every layer on the PS, the embedding dense
 ]
 
