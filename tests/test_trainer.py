@@ -38,19 +38,23 @@ specs = st.one_of(
 )
 
 
+def assert_replicas_identical_and_one_process(res: dict, runs: list, reference: list, workers: int) -> None:
+    """Every run of ``runs``: each rank's parameters bit for bit rank 0's, and within float32
+    reordering (rtol 1e-5, atol 1e-6) of the single-process ``reference``."""
+    for label, *_ in runs:
+        params = res[0][label]["params"]
+        for r in range(1, workers):
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(params, res[r][label]["params"])), f"{label}: rank {r}'s replica differs from rank 0's"
+        for a, ref in zip(params, reference):
+            np.testing.assert_allclose(a, ref, rtol=1e-5, atol=1e-6, err_msg=f"{label} differs from the single-process run")
+
+
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @given(spec=specs, workers=st.integers(2, 4), seed=st.integers(0, 1000))
 def test_every_mode_keeps_replicas_identical_and_equals_one_process(spec, workers, seed):
     steps, size = 3, 4
     res = run_workers(workers, train_worker, spec, seed, RUNS, steps, size, {}, timeout=240)
-    reference = single_process(spec, seed, workers, steps, size)
-    for label, *_ in RUNS:
-        params = res[0][label]["params"]
-        for r in range(1, workers):
-            for a, b in zip(params, res[r][label]["params"]):
-                assert a.tobytes() == b.tobytes(), f"{label}: rank {r}'s replica differs from rank 0's"
-        for a, ref in zip(params, reference):
-            np.testing.assert_allclose(a, ref, rtol=1e-5, atol=1e-6, err_msg=f"{label} differs from the single-process run")
+    assert_replicas_identical_and_one_process(res, RUNS, single_process(spec, seed, workers, steps, size), workers)
     # Same seed and same schemes, same result: the second poseidon run is bit for bit the first.
     # HybComm's choice comes from the link measured at start-up, so under load a second run could
     # choose otherwise (seen once in 18 runs beside a CPU hog) and sum in another order: the second
@@ -79,13 +83,7 @@ lm_specs = st.fixed_dictionaries(
 def test_an_embedding_synced_by_its_rows_keeps_replicas_identical_and_equals_one_process(spec, workers, seed):
     steps, size = 3, 4
     res = run_workers(workers, train_worker, spec, seed, LM_RUNS, steps, size, {}, timeout=240)
-    reference = single_process(spec, seed, workers, steps, size)
-    for label, *_ in LM_RUNS:
-        params = res[0][label]["params"]
-        for r in range(1, workers):
-            assert all(a.tobytes() == b.tobytes() for a, b in zip(params, res[r][label]["params"])), f"{label}: rank {r}'s replica differs from rank 0's"
-        for a, ref in zip(params, reference):
-            np.testing.assert_allclose(a, ref, rtol=1e-5, atol=1e-6, err_msg=f"{label} differs from the single-process run")
+    assert_replicas_identical_and_one_process(res, LM_RUNS, single_process(spec, seed, workers, steps, size), workers)
     assert res[0]["rows"]["schemes"] == {"embed": "rows", "fc": "sfb", "head": "allreduce"}
     assert res[0]["wfbp"]["schemes"]["embed"] == "ps"
     # The rows run moved each rank's touched rows (at most size x sequence of them) to every peer
