@@ -52,7 +52,8 @@ def impl_variant(impl: str) -> tuple:
     ``ps+allreduce``), so that variants run interleaved with the rest in one run."""
     mode, *settings = impl.split(":")
     variant = dict(s.split("=", 1) for s in settings if "=" in s)
-    if mode not in IMPLS or len(variant) < len(settings) or set(variant) - {"chunk", "merge", "allreduce", "hybcomm", "sparse"}:
+    allowed = {"sparse"} if mode == "ddp" else {"chunk", "merge", "allreduce", "hybcomm"}
+    if mode not in IMPLS or len(variant) < len(settings) or set(variant) - allowed:
         raise SystemExit(f"--impls: {impl!r} is not one of {IMPLS}, with settings chunk=, merge=, allreduce=, hybcomm= (ours), sparse=1 (DDP's)")
     return mode, variant
 

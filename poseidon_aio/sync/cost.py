@@ -212,6 +212,7 @@ def predicted_time(layer: LayerShape, scheme: Scheme, workers: int, servers: int
     if scheme is Scheme.ROWS:
         if layer.kind is not LayerKind.EMBEDDING or not layer.rows:
             return float("inf")
+        # float32 rows and uint32 indices, whatever ``itemsize``: the scheme takes float32 only.
         return link.alpha + link.beta * 4 * min(layer.rows, layer.m) * (layer.n + 1) * (p1 - 1)
     raise ConfigError(f"no time model for scheme {scheme.value!r}")
 

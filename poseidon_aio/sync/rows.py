@@ -63,14 +63,15 @@ class RowsSyncer(Syncer):
         def finish() -> None:
             where = f"{what} at clock {clock}"
             parts = [mine if r == self._mesh.rank else wire_rows.decode(frames[r], vocab, width, what=where) for r in range(self._mesh.world)]
-            total = out.reshape(vocab, width)
-            if not np.shares_memory(total, out):  # (a landing buffer is contiguous; this is not)
+            total = out.reshape(vocab, width)  # a view of a landing buffer, which is contiguous
+            in_place = np.shares_memory(total, out)
+            if not in_place:
                 total = np.empty((vocab, width), np.float32)
             total.fill(0.0)
             for indices, rows in parts:  # rank order: the dense sum's order, so every replica's bits
                 total[indices] += rows
             np.divide(total, np.float32(self._mesh.world), out=total)
-            if not np.shares_memory(total, out):
+            if not in_place:
                 np.copyto(out, total.reshape(out.shape))
 
         await self._mesh.run((layer, "finish"), finish)
