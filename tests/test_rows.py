@@ -105,7 +105,7 @@ def test_the_cost_is_k_rows_and_their_indices_to_every_peer_and_hybcomm_takes_it
     assert hybcomm_choice(embed, 2, 2, link=link, candidates=PAPER_SCHEMES) is Scheme.PS
 
 
-def test_only_an_unshared_dense_float32_embedding_is_row_sparse():
+def test_only_an_unshared_dense_float32_embedding_or_bag_is_row_sparse():
     class Tied(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -119,6 +119,8 @@ def test_only_an_unshared_dense_float32_embedding_is_row_sparse():
     assert not by_name(Tied())["embed"].row_sparse  # the head's dense gradient lands in its rows too
     assert not by_name(nn.Sequential(nn.Embedding(50, 8, sparse=True)))["0"].row_sparse  # torch's own sparse gradient
     assert not by_name(nn.Sequential(nn.Embedding(50, 8).to(torch.float64)))["0"].row_sparse
+    assert by_name(nn.Sequential(nn.EmbeddingBag(50, 8)))["0"].row_sparse  # a recommender's bags of rows
+    assert not by_name(nn.Sequential(nn.EmbeddingBag(50, 8, sparse=True)))["0"].row_sparse
 
 
 def test_a_rows_override_on_a_layer_that_is_not_an_embedding_is_refused():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from poseidon_aio.sync.cost import LayerShape, Scheme, layer_cost
@@ -74,12 +74,13 @@ LM_RUNS = [
 ]
 
 lm_specs = st.fixed_dictionaries(
-    {"kind": st.just("lm"), "vocab": st.integers(20, 200), "width": st.integers(2, 12), "sequence": st.integers(1, 6), "hidden": st.lists(st.integers(4, 16), min_size=1, max_size=1), "classes": st.integers(2, 5)}
+    {"kind": st.just("lm"), "vocab": st.integers(20, 200), "width": st.integers(2, 12), "sequence": st.integers(1, 6), "hidden": st.lists(st.integers(4, 16), min_size=1, max_size=1), "classes": st.integers(2, 5), "bag": st.booleans()}
 )
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
 @given(spec=lm_specs, workers=st.integers(2, 4), seed=st.integers(0, 1000))
+@example(spec={"kind": "lm", "vocab": 40, "width": 4, "sequence": 3, "hidden": [6], "classes": 3, "bag": True}, workers=3, seed=7)
 def test_an_embedding_synced_by_its_rows_keeps_replicas_identical_and_equals_one_process(spec, workers, seed):
     steps, size = 3, 4
     res = run_workers(workers, train_worker, spec, seed, LM_RUNS, steps, size, {}, timeout=240)

@@ -12,11 +12,14 @@ class TinyLM(nn.Module):
 
     def __init__(self, spec: dict) -> None:
         super().__init__()
-        self.embed = nn.Embedding(spec["vocab"], spec["width"])
+        self.bag = spec.get("bag", False)  # an nn.EmbeddingBag (a recommender's sum of rows) instead
+        self.embed = nn.EmbeddingBag(spec["vocab"], spec["width"], mode="sum") if self.bag else nn.Embedding(spec["vocab"], spec["width"])
         self.fc = nn.Linear(spec["width"], spec["hidden"][0])
         self.head = nn.Linear(spec["hidden"][0], spec["classes"])
 
     def forward(self, tokens):
+        if self.bag:
+            return self.head(torch.tanh(self.fc(self.embed(tokens))))
         return self.head(torch.tanh(self.fc(self.embed(tokens))).mean(dim=1))
 
 

@@ -90,8 +90,8 @@ def choose_schemes(
                 )
             if scheme is Scheme.ROWS and layer.shape.kind is not LayerKind.EMBEDDING:
                 raise ConfigError(
-                    f"layer {layer.name} ({layer.shape.kind.value}) cannot go by rows: only an unshared float32 nn.Embedding "
-                    "has a gradient that is zero but for its batch's tokens"
+                    f"layer {layer.name} ({layer.shape.kind.value}) cannot go by rows: only an unshared float32 nn.Embedding or "
+                    "nn.EmbeddingBag has a gradient that is zero but for its batch's tokens"
                 )
             if scheme in LOSSY_SCHEMES:
                 why = unsuited(layer, scheme, compression.config if compression else CompressionConfig(), forced=True)

@@ -1,8 +1,8 @@
 """The rows scheme: an embedding's gradient as the rows its batch touched, all-gathered.
 
-An ``nn.Embedding``'s weight gradient is zero in every row whose token the batch does not hold:
-a batch of 256 tokens over a vocabulary of 1000 touches at most 256 rows, a quarter of what a
-dense scheme moves. Each rank sends the rows of its gradient that are not all zero, with their
+An ``nn.Embedding``'s (or ``nn.EmbeddingBag``'s) weight gradient is zero in every row whose
+token the batch does not hold: a batch of 256 tokens over a vocabulary of 1000 touches at most
+256 rows, a quarter of what a dense scheme moves. Each rank sends the rows of its gradient that are not all zero, with their
 indices (``wire/rows.py``), to every peer; every rank adds all ranks' rows in rank order into
 zeros and divides by P. That is the rank-order sum the dense all-reduce computes, a row left out
 being a row of zeros, so the result is exact and every replica holds the same bits. It costs

@@ -28,9 +28,10 @@ class Layer:
 
     ``factorable``: an unshared float32 ``nn.Linear`` whose weight and bias are all it owns: its
     gradient is a sum of sufficient factors, so SFB or Project Adam can sync it.
-    ``row_sparse``: an unshared float32 ``nn.Embedding`` with a dense gradient, its weight all it
-    owns: the gradient's rows are zero but for the batch's tokens, so the rows scheme can sync it
-    (a weight tied to an output layer gets that layer's dense gradient too).
+    ``row_sparse``: an unshared float32 ``nn.Embedding`` or ``nn.EmbeddingBag`` with a dense
+    gradient, its weight all it owns: the gradient's rows are zero but for the batch's tokens, so
+    the rows scheme can sync it (a weight tied to an output layer gets that layer's dense gradient
+    too).
     """
 
     index: int
@@ -88,7 +89,7 @@ def discover(model: nn.Module) -> list:
             and len(own) == (2 if module.bias is not None else 1)
         )
         row_sparse = (
-            isinstance(module, nn.Embedding)
+            isinstance(module, (nn.Embedding, nn.EmbeddingBag))
             and not module.sparse
             and module.weight.dtype is torch.float32
             and users[id(module.weight)] == 1
