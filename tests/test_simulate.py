@@ -168,6 +168,19 @@ def test_a_ps_message_spread_over_every_shard_is_pushed_as_by_fewer_senders_by_h
             assert sim.links.down[s] == pytest.approx(count * 7 * nbytes * BETA / fraction, rel=1e-12)
 
 
+def test_the_naive_ps_takes_its_replies_as_from_every_shard_at_once_by_hand():
+    # WFBP's replies of a layer on k shards come as from those k (spread over the backward); the
+    # naive PS replies for every layer at the end of one backward, so a worker's down-link takes
+    # them as from all P - 1 other shards. Shard 0's reply of a layer that spans 2 of 8 shards:
+    eff = FlowEfficiency({1: 1.0, 7: 0.5})
+    nbytes = 1 << 18
+    for naive, fraction in ((False, 1.0 - 0.5 / 6), (True, 0.5)):
+        sim = simulator._Simulation([None], 8, RATE, (Link(0.0, BETA), None, True, 0.0, eff), B, naive=naive)
+        sim._reply(0.0, sim.unit([0]), 0, nbytes, 2)
+        assert list(sim.links.down[1:]) == pytest.approx([nbytes * BETA / fraction] * 7, rel=1e-12)
+        assert sim.links.up[0] == pytest.approx(7 * nbytes * BETA, rel=1e-12)  # one copy after another
+
+
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(p=st.sampled_from([3, 5, 8, 16]), pieces=st.sampled_from([1, 2, 4, 16]))
 def test_a_layer_spread_over_more_shards_loses_no_more_to_its_pushes_fan_in(p, pieces):

@@ -62,6 +62,10 @@ FC layers spread over every shard, came out 11.7 % and 19.7 % slower than emulat
 workers; with (P - 1) / k, 1.3 % and 5.6 %, and every other point of three models within 5 %.
 The same rule for the replies (a worker fed by k shards, each sharing its up-link P - 1 ways)
 put the naive PS at 16 workers 11.8 % fast: their fan-outs start together, as the pushes' do not.
+In mode ``naive`` every layer's replies come at the end of the same backward, from every shard at
+once, so a worker's down-link takes them as from P - 1 senders (bench/RESULTS.md, 2026-11-26
+night: Inception-V3's naive PS at 16 from 9.4 % to 4.0 %, every point still within 9.6 %); its
+pushes keep the (P - 1) / k rule (P - 1 for them fitted eight VGG points worse, 2026-11-26 late).
 
 What it ignores: TCP dynamics (slow start, losses, incast collapse: unless ``efficiency`` states
 what they cost), CPU contention between the
@@ -401,9 +405,10 @@ def _timeline(layers: list) -> tuple:
 class _Simulation:
     """One iteration's events, in time order, over :class:`_Links`."""
 
-    def __init__(self, layers: list, workers: int, rate: float, net: tuple, chunk_bytes: int, allreduce: str = "auto") -> None:
+    def __init__(self, layers: list, workers: int, rate: float, net: tuple, chunk_bytes: int, allreduce: str = "auto", naive: bool = False) -> None:
         self.layers = layers
         self.P = workers
+        self.naive = naive  # every PS message at the end of the backward: the replies' fan-in is every shard
         self.rate = rate
         self.chunk_bytes = chunk_bytes
         self.algorithm = allreduce
@@ -447,7 +452,8 @@ class _Simulation:
             self.at(self.links.gather(t, shard, nbytes, Kind.PUSH, senders=fan_in), self._reply, unit, shard, nbytes, shards)
 
     def _reply(self, t: float, unit: int, shard: int, nbytes: int, shards: int) -> None:
-        self._finish(unit, self.links.fan_out(t, shard, nbytes, Kind.AGGREGATE, senders=min(shards, self.P - 1)))
+        senders = self.P - 1 if self.naive else min(shards, self.P - 1)
+        self._finish(unit, self.links.fan_out(t, shard, nbytes, Kind.AGGREGATE, senders=senders))
 
     # -- all-reduce -----------------------------------------------------------------------------
 
@@ -787,7 +793,7 @@ def _calibration(net: tuple) -> list:
 
 
 def _run(layers: list, workers: int, rate: float, net: tuple, chunk_bytes: int, mode: str, groups: dict, spread_bytes: int, allreduce: str = "auto") -> _Simulation:
-    sim = _Simulation(layers, workers, rate, net, chunk_bytes, allreduce)
+    sim = _Simulation(layers, workers, rate, net, chunk_bytes, allreduce, naive=mode == Mode.NAIVE.value)
     ps_groups = groups.get(Scheme.PS, [])
     messages = _ps_messages(layers, ps_groups, workers, chunk_bytes, spread_bytes)
     end_of_backward = sum(layer.forward + layer.backward for layer in layers)
