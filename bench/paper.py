@@ -47,6 +47,17 @@ MERGING = ("mgwfbp", "poseidon")
 MODELS = ["vgg19", "vgg19_22k", "inception_v3", "resnet152"]
 
 
+def impl_variant(impl: str) -> tuple:
+    """``"poseidon:hybcomm=ps+allreduce"`` -> ``("poseidon", {"hybcomm": ("ps", "allreduce")})``: our
+    mode with the schemes HybComm weighs narrowed, run and reported beside the others (the
+    simulator gets the same schemes)."""
+    mode, *settings = impl.split(":")
+    variant = dict(x.split("=", 1) for x in settings if "=" in x)
+    if mode not in IMPLS or len(variant) < len(settings) or set(variant) - {"hybcomm"} or (variant and mode != "poseidon"):
+        raise SystemExit(f"--impls: {impl!r} is not one of {IMPLS}, or poseidon:hybcomm=SCHEME+SCHEME...")
+    return mode, {"hybcomm": tuple(variant["hybcomm"].split("+"))} if variant else {}
+
+
 def _rate_bits(text: str) -> float:
     units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
     for unit, scale in units.items():
@@ -137,7 +148,8 @@ def worker(cfg: dict) -> None:
     loss_fn = lambda out, _: out.float().mean()  # noqa: E731 - replayed outputs are zeros
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     total, times, extra = cfg["warmup"] + cfg["steps"], [], {}
-    if cfg["impl"] == "ddp":
+    mode, variant = impl_variant(cfg["impl"])
+    if mode == "ddp":
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
@@ -185,7 +197,7 @@ def worker(cfg: dict) -> None:
             # TCP retransmissions on every link, WFBP 11 % slower than the full-size plan).
             merge = MergeConfig(bucket_bytes=tuple(int(b / cfg["scale"]) for b in MergeConfig().bucket_bytes))
             ps = poseidon_aio.PSConfig(chunk_bytes=max(64, int(DEFAULT_CHUNK_BYTES / cfg["scale"])))
-            async with poseidon_aio.Trainer(model, opt, loss_fn, mode=cfg["impl"], broadcast_buffers=False, merge=merge, ps=ps) as trainer:
+            async with poseidon_aio.Trainer(model, opt, loss_fn, mode=mode, broadcast_buffers=False, merge=merge, ps=ps, **variant) as trainer:
                 for t in range(total):
                     if t == cfg["warmup"]:
                         tcp["begin"] = tcp_counters()
@@ -224,7 +236,7 @@ def run(model: str, impl: str, world: int, args, rate_bits: float) -> dict:
     from bench import netns
 
     cfg = dict(model=model, impl=impl, batch=args.batch, scale=args.scale, dilation=args.dilation, tflops=args.device_tflops,
-               warmup=args.warmup if impl in MERGING else args.warmup_plain, steps=args.steps)
+               warmup=args.warmup if impl_variant(impl)[0] in MERGING else args.warmup_plain, steps=args.steps)
     cap = f"{rate_bits / args.scale / args.dilation / 1e3:.0f}kbit"
     with netns.hosts(world, cap) as names:
         ranks = launch("bench.paper", world, cfg, namespaces=names, timeout=args.timeout, what=f"{impl} {model} x{world}")
@@ -298,12 +310,12 @@ def simulate_beside(results: dict, args, rate_bits: float, efficiency: Optional[
     ]
     errors = {c: [] for c in columns}
     for (model, world, impl), res in sorted(results.items()):
-        mode = impl if world > 1 else "wfbp"
+        mode, variant = impl_variant(impl) if world > 1 else ("wfbp", {})
         tr = trace(model, args.batch)
         cells = []
         for name, (eff, with_overhead) in columns.items():
             overhead = overheads.get(model, 0.0) if with_overhead else 0.0
-            sim = Simulator(tr, world, rate=args.device_tflops * 1e12, link=link, mode=mode, efficiency=eff, layer_overhead=overhead).run()
+            sim = Simulator(tr, world, rate=args.device_tflops * 1e12, link=link, mode=mode, efficiency=eff, layer_overhead=overhead, **variant).run()
             err = abs(sim.time - res["step_s"]) / res["step_s"]
             if world > 1 or not with_overhead:
                 errors[name].append(err)
@@ -426,7 +438,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--workers", default="1,2,4,8,16")
-    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--impls", default=",".join(IMPLS), help="of " + ", ".join(IMPLS) + "; poseidon:hybcomm=ps+allreduce narrows HybComm's schemes")
     parser.add_argument("--link", default="10gbit", help="each worker's link at full size (the paper's 10 GbE)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--scale", type=float, default=16.0, help="every layer's bytes and the link rate divided by this")
@@ -456,6 +468,8 @@ def main(argv=None) -> dict:
     os.makedirs(args.out, exist_ok=True)
     worlds = [int(w) for w in args.workers.split(",")]
     impls = args.impls.split(",")
+    for impl in impls:
+        impl_variant(impl)  # a wrong one fails now, not after an hour of emulation
     results: dict = {}
     if args.from_json:  # report only: no namespaces needed
         with open(args.from_json) as f:
