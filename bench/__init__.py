@@ -6,6 +6,22 @@ import socket
 BENCH_TOKEN = "bench-local-job-token-0123456789abcdef"
 
 
+def parse_impl(impl: str, settings: dict) -> tuple:
+    """``"poseidon:chunk=262144:merge=single"`` -> ``("poseidon", {"chunk": "262144", ...})``: an
+    implementation with settings of its own, so that variants run interleaved with the rest in one
+    run. ``settings``: ``{mode: the setting names it takes}``, every mode a bench runs.
+
+    Raises:
+        SystemExit: a mode not in ``settings``, or a setting it does not take (before any run).
+    """
+    mode, *given = impl.split(":")
+    variant = dict(s.split("=", 1) for s in given if "=" in s)
+    if mode not in settings or len(variant) < len(given) or set(variant) - settings[mode]:
+        takes = "; ".join(f"{m}" + (f" with {', '.join(f'{s}=' for s in sorted(names))}" if names else "") for m, names in settings.items())
+        raise SystemExit(f"--impls: {impl!r} is not one of: {takes}")
+    return mode, variant
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (for a job's rendezvous)."""
     with socket.socket() as s:

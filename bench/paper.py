@@ -39,7 +39,7 @@ import sys
 import time
 from typing import Optional
 
-from bench import launch
+from bench import launch, parse_impl
 
 IMPLS = ["naive", "wfbp", "poseidon", "ddp"]
 # The modes whose merge plan is measured, then tried: their warm-up holds the trials.
@@ -51,10 +51,7 @@ def impl_variant(impl: str) -> tuple:
     """``"poseidon:hybcomm=ps+allreduce"`` -> ``("poseidon", {"hybcomm": ("ps", "allreduce")})``: our
     mode with the schemes HybComm weighs narrowed, run and reported beside the others (the
     simulator gets the same schemes)."""
-    mode, *settings = impl.split(":")
-    variant = dict(x.split("=", 1) for x in settings if "=" in x)
-    if mode not in IMPLS or len(variant) < len(settings) or set(variant) - {"hybcomm"} or (variant and mode != "poseidon"):
-        raise SystemExit(f"--impls: {impl!r} is not one of {IMPLS}, or poseidon:hybcomm=SCHEME+SCHEME...")
+    mode, variant = parse_impl(impl, {m: {"hybcomm"} if m == "poseidon" else set() for m in IMPLS})
     return mode, {"hybcomm": tuple(variant["hybcomm"].split("+"))} if variant else {}
 
 

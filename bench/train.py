@@ -38,7 +38,7 @@ import statistics
 import sys
 import time
 
-from bench import job_cpu, launch, median_run
+from bench import job_cpu, launch, median_run, parse_impl
 
 IMPLS = ["ddp", "wfbp", "poseidon"]
 RATES = {"1gbit": ("1gbit", 125e6), "100mbit": ("100mbit", 12.5e6)}
@@ -47,15 +47,10 @@ SETUPS = [("loopback", "real"), ("1gbit", "real"), ("1gbit", "replayed"), ("100m
 
 
 def impl_variant(impl: str) -> tuple:
-    """``"poseidon:chunk=262144:merge=single"`` -> ``("poseidon", {"chunk": "262144", ...})``: a
-    mode with settings of our own (``chunk``, ``merge``, ``allreduce``, ``hybcomm`` as
-    ``ps+allreduce``), so that variants run interleaved with the rest in one run."""
-    mode, *settings = impl.split(":")
-    variant = dict(s.split("=", 1) for s in settings if "=" in s)
-    allowed = {"sparse"} if mode == "ddp" else {"chunk", "merge", "allreduce", "hybcomm"}
-    if mode not in IMPLS or len(variant) < len(settings) or set(variant) - allowed:
-        raise SystemExit(f"--impls: {impl!r} is not one of {IMPLS}, with settings chunk=, merge=, allreduce=, hybcomm= (ours), sparse=1 (DDP's)")
-    return mode, variant
+    """``bench.parse_impl`` with this bench's settings: ours ``chunk``, ``merge``, ``allreduce``,
+    ``hybcomm`` (as ``ps+allreduce``); DDP's ``sparse=1``."""
+    ours = {"chunk", "merge", "allreduce", "hybcomm"}
+    return parse_impl(impl, {"ddp": {"sparse"}, **{m: ours for m in IMPLS if m != "ddp"}})
 
 
 # -- one worker process ---------------------------------------------------------------------------
