@@ -172,7 +172,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--rank", type=int, default=4, help="PowerSGD's rank, ours and DDP's hook's")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=1, help="runs of every implementation per row, interleaved; a cell is their median, a ratio the median of the repeats' ratios (min-max shown)")
-    parser.add_argument("--warmup", type=int, default=16, help="untimed steps (merging is planned after 3, then up to 4 plans tried for 3 steps each; DDP's PowerSGD starts at 2)")
+    parser.add_argument("--warmup", type=int, default=19, help="untimed steps (merging is planned after 3, then up to 5 plans tried for 3 steps each; DDP's PowerSGD starts at 2)")
     parser.add_argument("--device-tflops", type=float, default=6.0, help="replayed device rate, TFLOP/s")
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args(argv)

@@ -57,6 +57,7 @@ def _worker(rank: int, world: int, port: int, scheme: str, args: dict, out) -> N
     import poseidon_aio
     from poseidon_aio.net import ShaperConfig
     from poseidon_aio.sync import MergeConfig
+    from poseidon_aio.sync.runtime import BEST_PLANNERS
 
     torch.set_num_threads(1)
     dilation, rate = args["dilation"], args["tflops"] * 1e12
@@ -93,9 +94,9 @@ def _worker(rank: int, world: int, port: int, scheme: str, args: dict, out) -> N
     link = ShaperConfig(egress_rate=10e9 / 8 / dilation, message_cost=alpha, costed_kinds=frozenset({Kind.PUSH}))
     mode, kind = ("wfbp", "none") if scheme == "wfbp" else ("mgwfbp", {"single": "single", "algorithm1": "algorithm1", "optimal": "optimal", "mgwfbp": None}[scheme])
     # algorithm1, optimal: the planner's plan is what is measured (trial=0); mgwfbp: the default,
-    # whose trials pick a plan, untimed (up to four plans, then the verdict's first step)
+    # whose trials pick a plan, untimed (every plan best can try, then the verdict's first step)
     trial = args["trial"] if scheme == "mgwfbp" else 0
-    untimed = args["measure"] + (4 * trial + 1 if trial else 0)
+    untimed = args["measure"] + (len(BEST_PLANNERS) * trial + 1 if trial else 0)
     merge = MergeConfig(kind=kind, after=args["measure"], calibration_sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), trial=trial)
     x = torch.zeros(ROWS, 1, requires_grad=True)
     loss_fn = lambda out, _: out.sum()  # noqa: E731

@@ -214,6 +214,12 @@ def worker(cfg: dict) -> None:
             "bytes": statistics.median(sum(s.bytes.values()) for s in stats),
             "merge_groups": len(info.get("groups", [])),
             "alpha_s": info.get("alpha_s"),
+            "beta_s_per_byte": info.get("beta_s_per_byte"),
+            # each distinct plan: its groups' layer counts from the input, and what the model predicted
+            "candidates": [
+                {"planner": c["planner"], "predicted_s": c["predicted_s"], "groups": [len(g) for g in c["groups"]][::-1]}
+                for c in info.get("candidates", [])
+            ],
             # what the plan's trials tried (ms a step) and kept: why a merged row is what it is
             "trial": info.get("trial"),
         }
@@ -239,7 +245,7 @@ def run(model: str, impl: str, world: int, args, rate_bits: float) -> dict:
         ranks = launch("bench.paper", world, cfg, namespaces=names, timeout=args.timeout, what=f"{impl} {model} x{world}")
     steps = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
     out = {"step_s": statistics.median(steps), "rank0": ranks[0]}
-    for key in ("merge_groups", "alpha_s", "trial"):
+    for key in ("merge_groups", "alpha_s", "beta_s_per_byte", "candidates", "trial"):
         if ranks[0].get(key) is not None:
             out[key] = ranks[0][key]
     # The links' losses over the timed steps, every namespace's summed (each rank reads its own).
@@ -322,7 +328,7 @@ def simulate_beside(results: dict, args, rate_bits: float, efficiency: Optional[
     sim = Simulator(tr, 64, rate=2e12, link=Link.of_bandwidth(10e9 / 8, paper_startup(64)), mode="mgwfbp", costed=[Kind.PUSH])
     wfbp, alg1, exact, merged = sim.run("none"), sim.run("algorithm1"), sim.run("optimal"), sim.run()
     mg = wfbp.time / merged.time
-    lines += ["", f"MG-WFBP (the default planner: the fastest of Algorithm 1's plan, the exact one, one message and DDP's buckets) vs WFBP, simulated, ResNet-50, "
+    lines += ["", f"MG-WFBP (the default planner: the fastest of Algorithm 1's plan, the exact one, one message, DDP's buckets and the tapered ones) vs WFBP, simulated, ResNet-50, "
               f"64 workers, 2 TFLOP/s, 10 Gbit/s, a(64) = {paper_startup(64) * 1e3:.2f} ms per push: {wfbp.time * 1e3:.0f} -> "
               f"{merged.time * 1e3:.0f} ms, {mg:.2f} x (Algorithm 1 {wfbp.time / alg1.time:.2f} x, exact {wfbp.time / exact.time:.2f} x)", ""]
     worst = {c: (max(errs) if errs else None) for c, errs in errors.items()}
@@ -443,7 +449,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--device-tflops", type=float, default=4.2)
     parser.add_argument("--alpha-us", type=float, default=50.0, help="start-up per message the simulator charges (our event loop's, measured ~50 us)")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=16, help="untimed iterations of a merging mode (merging is planned after 3, then up to 4 plans tried for 3 steps each)")
+    parser.add_argument("--warmup", type=int, default=19, help="untimed iterations of a merging mode (merging is planned after 3, then up to 5 plans tried for 3 steps each)")
     parser.add_argument("--warmup-plain", type=int, default=4, help="untimed iterations of the others (naive, wfbp, ddp: TCP's windows, first-touch pages)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--out", default="bench/out", help="where the figures and the raw results go")

@@ -7,8 +7,8 @@ and MG-WFBP planners. Sections, each a markdown table:
 1. Speed-up over one worker (``P t(1) / t(P)``, batch 32 per worker) at 1, 2, 4, ..., 1024
    workers for VGG19, VGG19-22K, Inception-V3 and ResNet-152, per mode: naive PS, WFBP,
    Poseidon (WFBP + HybComm over PS, SFB and all-reduce + the trainer's default merging,
-   ``best``: the fastest of Algorithm 1's plan, the exact one, one message and DDP's buckets, or
-   none, as its trials keep), Poseidon with the paper's HybComm (PS and SFB) and DDP (gloo's ring over 25 MiB
+   ``best``: the fastest of Algorithm 1's plan, the exact one, one message, DDP's buckets and the
+   tapered ones, or none, as its trials keep), Poseidon with the paper's HybComm (PS and SFB) and DDP (gloo's ring over 25 MiB
    buckets); at the paper's setting, a Titan X (6 TFLOP/s effective) on 10 GbE, then 40 GbE;
    then the 10 GbE figures at 32 and 1024 workers with the start-up charged as latency in
    flight instead of sender time (the two bounds of the network model).

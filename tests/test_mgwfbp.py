@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from poseidon_aio.errors import ConfigError
 from poseidon_aio.sync import MergeConfig
 from poseidon_aio.sync.cost import Scheme
-from poseidon_aio.sync.mgwfbp import CommModel, bucket_plan, fit, groups_of, iteration_time, merge_plan, optimal_plan, timeline, with_launches
+from poseidon_aio.sync.mgwfbp import CommModel, bucket_plan, fit, groups_of, iteration_time, merge_plan, optimal_plan, tapered_plan, timeline, with_launches
 
 
 def test_case_1_communication_hidden_nothing_merged():
@@ -245,9 +245,9 @@ def test_best_plans_with_both_planners_and_one_message_and_lists_each_distinct_p
     for sizes in ([3e4] * 12, [1e3, 4e5, 2e3, 8e5, 1e3, 3e4, 5e5, 1e3, 2e4, 9e5, 1e3, 1e4]):
         for serial in (0.0, 2e-3):
             best = plans("best", sizes, serial)
-            greedy, exact, buckets = (plans(k, sizes, serial)["groups"] for k in ("algorithm1", "optimal", "buckets"))
+            greedy, exact, buckets, tapered = (plans(k, sizes, serial)["groups"] for k in ("algorithm1", "optimal", "buckets", "tapered"))
             single = [[f"l{i}" for i in layers]]
-            want = [("algorithm1", greedy), ("optimal", exact), ("single", single), ("buckets", buckets)]
+            want = [("algorithm1", greedy), ("optimal", exact), ("single", single), ("buckets", buckets), ("tapered", tapered)]
             want = [(name, g) for i, (name, g) in enumerate(want) if all(g != other for _, other in want[:i])]
             assert best["groups"] == greedy and best["planner"] == "algorithm1"
             assert [(c["planner"], c["groups"]) for c in best["candidates"]] == want
@@ -280,6 +280,38 @@ def test_bucket_plan_partitions_the_layers_and_every_bucket_but_the_input_side_o
             assert total >= cap and total - sizes[min(g) - 1] < cap  # its last layer closed it
         else:
             assert total - sizes[min(g) - 1] < cap
+
+
+def test_tapered_plan_cuts_the_input_side_bucket_to_the_first_bucket_s_bytes_by_hand():
+    model = CommModel(a=1e-3, b=1e-9)
+    t_b = [1e-3] * 6
+    # DDP's buckets from the output: (6) reaches 1 MiB alone; then 0.4 + 0.3 + 0.4 + 0.2 + 0.3 MB
+    # (layers 5..1) stay under 25 MiB: one bucket (1..5), all of it after layer 1's backward.
+    sizes = [0.3e6, 0.2e6, 0.4e6, 0.3e6, 0.4e6, 2e6]
+    assert bucket_plan(0.0, t_b, sizes, model).groups == ((1, 2, 3, 4, 5), (6,))
+    # Tapered: from the input, 0.3 + 0.2 + 0.4 = 0.9 MB fit in 1 MiB, layer 4 would not: (1, 2, 3)
+    # go last, (4, 5) as soon as layer 4 is ready.
+    plan = tapered_plan(0.0, t_b, sizes, model)
+    assert plan.groups == ((1, 2, 3), (4, 5), (6,))
+    assert plan.t_iter == iteration_time(0.0, t_b, sizes, model, plan.groups)
+    # A first layer over the cap still goes alone; a bucket already small enough is not cut.
+    assert tapered_plan(0.0, t_b, [5e6, *sizes[1:]], model).groups == ((1,), (2, 3, 4, 5), (6,))
+    assert tapered_plan(0.0, t_b, sizes, model, first_bytes=2e6).groups == bucket_plan(0.0, t_b, sizes, model, first_bytes=2e6).groups
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(sizes=st.lists(st.integers(1, 1 << 22), min_size=1, max_size=40), first=st.integers(1, 1 << 21), then=st.integers(1, 1 << 23))
+def test_tapered_plan_is_ddp_s_buckets_with_at_most_the_first_bucket_s_bytes_after_the_backward(sizes, first, then):
+    t_b, model = [1e-4] * len(sizes), CommModel(1e-4, 1e-9)
+    ddp = bucket_plan(0.0, t_b, sizes, model, first_bytes=first, bucket_bytes=then).groups
+    groups = tapered_plan(0.0, t_b, sizes, model, first_bytes=first, bucket_bytes=then).groups
+    assert [l for g in groups for l in g] == list(range(1, len(sizes) + 1))
+    assert groups[-len(ddp) + 1:] == ddp[1:] or len(ddp) == 1  # every bucket but the input side's as DDP's
+    tail = sum(sizes[l - 1] for l in groups[0])
+    assert len(groups[0]) == 1 or tail <= first  # what waits for the end of the backward
+    assert len(groups) - len(ddp) in (0, 1)
+    if len(groups) == len(ddp):  # not cut: already small enough
+        assert groups == ddp and (len(ddp[0]) == 1 or sum(sizes[l - 1] for l in ddp[0]) <= first)
 
 
 def test_merge_config_rejects_bad_bucket_sizes():

@@ -27,12 +27,14 @@ import numpy as np
 from ..errors import ConfigError, SyncTimeout
 from ..wire import Kind
 from .cost import Link, Scheme
-from .mgwfbp import CommModel, bucket_plan, fit, merge_plan, optimal_plan, single_plan
+from .mgwfbp import CommModel, bucket_plan, fit, merge_plan, optimal_plan, single_plan, tapered_plan
 from .syncer import syncer_class
 
 CALIBRATION_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 # Mesh frames of the calibration: keys no layer reaches, clocks far past any training clock.
 _CALIBRATION_KEY = 7
+# What ``best`` plans and tries, in this order (the first of equals is kept).
+BEST_PLANNERS = ("algorithm1", "optimal", "single", "buckets", "tapered")
 _CALIBRATION_CLOCK = 1 << 61
 
 
@@ -40,16 +42,22 @@ class MergeKind(str, enum.Enum):
     NONE = "none"  # every layer its own message
     ALGORITHM1 = "algorithm1"  # MG-WFBP's greedy Algorithm 1
     OPTIMAL = "optimal"  # the exact O(L^2) dynamic program over the same timeline
-    # Both planners' plans, one message after the backward and DDP's buckets, each tried on the
-    # job, the fastest kept (Algorithm 1's on a tie and without a trial). DDP's buckets are there
-    # because a plan the model did not make can still win on the job: ResNet-152 at 8 emulated
-    # workers on 2 cores ran every planned merge slower than one message a layer, and DDP faster. The exact plan is exact on the planners'
+    # Both planners' plans, one message after the backward, DDP's buckets and the tapered ones,
+    # each tried on the job, the fastest kept (Algorithm 1's on a tie and without a trial). The
+    # buckets are there because a plan the model did not make can still win on the job: near a
+    # saturated link the planners' plans are good only with the link's per-byte cost within ~10 %
+    # (ResNet-152 at 8 emulated workers: the link calibrated 1.5-1.7 x slower than training's rings
+    # ran, their plans ran 17-21 % slower than one message a layer; DDP's buckets 1.4 % faster,
+    # the tapered ones 2.9 %). The exact plan is exact on the planners'
     # model only: simulated, it lost to Algorithm 1's in 330 of 2 000 cases and won in 354, and a
     # ring all-reduce's 2 (P - 1) start-ups a message, which the model charges as two, make one
     # message beat both plans from 128 workers on (bench/RESULTS.md); the job's step times decide.
     BEST = "best"
     SINGLE = "single"  # every PS layer in one message after the backward (SyncEASGD)
     BUCKETS = "buckets"  # DistributedDataParallel's buckets: 1 MiB first, then 25 MiB, from the output
+    # DDP's buckets with the one nearest the input cut so that at most the first bucket's bytes
+    # wait for the end of the backward (mgwfbp.tapered_plan)
+    TAPERED = "tapered"
 
 
 @dataclass
@@ -59,16 +67,18 @@ class MergeConfig:
     Args:
         kind: the planner; ``None`` picks ``best`` in modes ``mgwfbp`` and ``poseidon``,
             ``none`` otherwise. ``algorithm1`` is the paper's (MG-WFBP), ``optimal`` the exact
-            planner, ``buckets`` DDP's buckets (``bucket_bytes``), ``best`` tries both planners,
-            one message after the backward and DDP's buckets, and keeps the fastest.
+            planner, ``buckets`` DDP's buckets (``bucket_bytes``), ``tapered`` DDP's buckets
+            with at most the first bucket's bytes after the backward, ``best`` tries both
+            planners, one message after the backward and both kinds of buckets, and keeps the
+            fastest.
         after: measured steps before the plan is made.
         calibration_sizes: message sizes (bytes) timed at start-up to fit alpha and beta.
         trial: steps a plan that merges runs before it is judged against the warm-up's steps
             (one message per layer); it is kept only if the job's step got faster. With ``best``
             each distinct plan has its trial, one after the other. 0 keeps every plan untried
             (the paper's runtime; ``best`` then keeps Algorithm 1's).
-        bucket_bytes: ``(first, then)``: the bucket sizes of the ``buckets`` plan, DDP's 1 MiB and
-            25 MiB by default (a bench that scales a model's bytes scales these too).
+        bucket_bytes: ``(first, then)``: the bucket sizes of the ``buckets`` and ``tapered``
+            plans, DDP's 1 MiB and 25 MiB by default (a bench that scales a model's bytes scales these too).
     """
 
     kind: Optional[MergeKind] = None
@@ -102,7 +112,7 @@ class MergeConfig:
     def planned(self) -> bool:
         """Whether the plan is made by the runtime after the measured steps (Algorithm 1, the
         exact planner, DDP's buckets or ``best``), rather than at start (``single``, ``none``)."""
-        return self.kind in (MergeKind.ALGORITHM1, MergeKind.OPTIMAL, MergeKind.BEST, MergeKind.BUCKETS)
+        return self.kind in (MergeKind.ALGORITHM1, MergeKind.OPTIMAL, MergeKind.BEST, MergeKind.BUCKETS, MergeKind.TAPERED)
 
 
 @dataclass
@@ -302,7 +312,8 @@ class MergeRuntime:
         """Rank 0's plan from its measurements: ``{"groups": [[name, ...], ...], ...}``, with
         ``"candidates"``: each planner's distinct plan (``{"planner", "groups", "predicted_s"}``),
         the first being ``"groups"``'s (Algorithm 1's where it is one of them); ``best`` adds one
-        message of every layer (``"single"``) and DDP's buckets (``"buckets"``)."""
+        message of every layer (``"single"``), DDP's buckets (``"buckets"``) and those with a small
+        last bucket (``"tapered"``)."""
         median = lambda xs: float(statistics.median(xs)) if xs else 0.0  # noqa: E731
         model = self.comm_model()
         t_b = [median(self._samples.backward.get(layer, [])) for layer in layers]
@@ -312,9 +323,10 @@ class MergeRuntime:
         t_b = [max(0.0, t - model.serial) for t in t_b[:-1]] + t_b[-1:]
         first, then = self.config.bucket_bytes
         buckets = lambda *args: bucket_plan(*args, first_bytes=first, bucket_bytes=then)  # noqa: E731
-        planners = {
-            MergeKind.ALGORITHM1: [("algorithm1", merge_plan)], MergeKind.OPTIMAL: [("optimal", optimal_plan)], MergeKind.BUCKETS: [("buckets", buckets)],
-        }.get(self.config.kind, [("algorithm1", merge_plan), ("optimal", optimal_plan), ("single", single_plan), ("buckets", buckets)])
+        tapered = lambda *args: tapered_plan(*args, first_bytes=first, bucket_bytes=then)  # noqa: E731
+        every = {"algorithm1": merge_plan, "optimal": optimal_plan, "single": single_plan, "buckets": buckets, "tapered": tapered}
+        kinds = BEST_PLANNERS if self.config.kind in (None, MergeKind.BEST) else (self.config.kind.value,)
+        planners = [(kind, every[kind]) for kind in kinds]
         candidates = []
         for name, planner in planners:
             plan = planner(median(self._samples.forward), t_b, sizes, model)

@@ -667,7 +667,8 @@ class Simulator:
         """One iteration under the trainer's ``MergeConfig.kind`` ``merge`` (``None``: ``best`` in
         modes ``mgwfbp`` and ``poseidon``, no merging otherwise). ``best`` is what the trainer's
         trials keep on a noiseless job: the fastest of Algorithm 1's plan, the exact one, one
-        message after the backward and DDP's buckets, or one message per layer if none is faster.
+        message after the backward, DDP's buckets and the tapered ones, or one message per layer if
+        none is faster.
 
         Raises:
             ConfigError: an unknown kind, or merging in a mode that does not merge.
@@ -688,7 +689,7 @@ class Simulator:
         groups = {s: [(layer.index,) for layer in layers if layer.scheme is s] for s in self.mergeable}
         if kind is MergeKind.BEST:
             # the first of equals: a plan is kept only if faster than none, Algorithm 1's on a tie
-            tried = [self.run(k.value) for k in (MergeKind.NONE, MergeKind.ALGORITHM1, MergeKind.OPTIMAL, MergeKind.SINGLE, MergeKind.BUCKETS)]
+            tried = [self.run(k.value) for k in (MergeKind.NONE, MergeKind.ALGORITHM1, MergeKind.OPTIMAL, MergeKind.SINGLE, MergeKind.BUCKETS, MergeKind.TAPERED)]
             return min(tried, key=lambda it: it.time)
         if kind is MergeKind.NONE:
             sim = self._warm_up(groups)
