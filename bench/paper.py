@@ -215,7 +215,7 @@ def worker(cfg: dict) -> None:
             "merge_groups": len(info.get("groups", [])),
             "alpha_s": info.get("alpha_s"),
             "beta_s_per_byte": info.get("beta_s_per_byte"),
-            # each distinct plan: its groups' layer counts from the input, and what the model predicted
+            # each distinct plan: its groups' layer counts from the output (backward order), and what the model predicted
             "candidates": [
                 {"planner": c["planner"], "predicted_s": c["predicted_s"], "groups": [len(g) for g in c["groups"]][::-1]}
                 for c in info.get("candidates", [])
