@@ -33,9 +33,9 @@ from .syncer import syncer_class
 CALIBRATION_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 # Mesh frames of the calibration: keys no layer reaches, clocks far past any training clock.
 _CALIBRATION_KEY = 7
+_CALIBRATION_CLOCK = 1 << 61
 # What ``best`` plans and tries, in this order (the first of equals is kept).
 BEST_PLANNERS = ("algorithm1", "optimal", "single", "buckets", "tapered")
-_CALIBRATION_CLOCK = 1 << 61
 
 
 class MergeKind(str, enum.Enum):
@@ -78,7 +78,8 @@ class MergeConfig:
             each distinct plan has its trial, one after the other. 0 keeps every plan untried
             (the paper's runtime; ``best`` then keeps Algorithm 1's).
         bucket_bytes: ``(first, then)``: the bucket sizes of the ``buckets`` and ``tapered``
-            plans, DDP's 1 MiB and 25 MiB by default (a bench that scales a model's bytes scales these too).
+            plans, DDP's 1 MiB and 25 MiB by default (a bench that scales a model's bytes
+            scales these too).
     """
 
     kind: Optional[MergeKind] = None
@@ -111,7 +112,8 @@ class MergeConfig:
     @property
     def planned(self) -> bool:
         """Whether the plan is made by the runtime after the measured steps (Algorithm 1, the
-        exact planner, DDP's buckets or ``best``), rather than at start (``single``, ``none``)."""
+        exact planner, DDP's buckets, tapered or not, or ``best``), rather than at start
+        (``single``, ``none``)."""
         return self.kind in (MergeKind.ALGORITHM1, MergeKind.OPTIMAL, MergeKind.BEST, MergeKind.BUCKETS, MergeKind.TAPERED)
 
 

@@ -101,7 +101,7 @@ from ..errors import ConfigError
 from ..wire import Kind, factors
 from .cost import ALLREDUCE_ALGORITHMS, HYBCOMM_SCHEMES, LayerKind, LayerShape, Link, Scheme, goes_round_ring
 from .plan import Mode, PlanLayer, choose_schemes
-from .runtime import CALIBRATION_SIZES, MergeConfig, MergeKind, MergeRuntime, link_of
+from .runtime import BEST_PLANNERS, CALIBRATION_SIZES, MergeConfig, MergeKind, MergeRuntime, link_of
 from .syncer import syncer_class
 
 DDP = "ddp"
@@ -689,7 +689,7 @@ class Simulator:
         groups = {s: [(layer.index,) for layer in layers if layer.scheme is s] for s in self.mergeable}
         if kind is MergeKind.BEST:
             # the first of equals: a plan is kept only if faster than none, Algorithm 1's on a tie
-            tried = [self.run(k.value) for k in (MergeKind.NONE, MergeKind.ALGORITHM1, MergeKind.OPTIMAL, MergeKind.SINGLE, MergeKind.BUCKETS, MergeKind.TAPERED)]
+            tried = [self.run(k) for k in (MergeKind.NONE.value, *BEST_PLANNERS)]
             return min(tried, key=lambda it: it.time)
         if kind is MergeKind.NONE:
             sim = self._warm_up(groups)
