@@ -259,6 +259,29 @@ def single_plan(t_f: float, t_b: Sequence[float], sizes: Sequence[float], model:
     return _plan_of(t_f, t_b, sizes, model, (tuple(range(1, len(t_b) + 1)),))
 
 
+def ddp_buckets(sizes: Sequence[float], first_bytes: float = 1 << 20, bucket_bytes: float = 25 << 20) -> list:
+    """DistributedDataParallel's buckets: layers in backward order (from the output) fill a bucket
+    until its bytes reach ``first_bytes`` for the first bucket, ``bucket_bytes`` after; the layer
+    that reaches the cap closes its bucket. Returns the buckets in that order (the output's
+    first), each the ascending 1-based numbers of its layers.
+
+    >>> ddp_buckets([600e3] * 4)
+    [(3, 4), (1, 2)]
+    """
+    if first_bytes <= 0 or bucket_bytes <= 0:
+        raise ConfigError(f"bucket sizes must be positive, got first {first_bytes} and then {bucket_bytes} bytes")
+    groups, current, filled, cap = [], [], 0.0, first_bytes
+    for l in range(len(sizes), 0, -1):
+        current.append(l)
+        filled += sizes[l - 1]
+        if filled >= cap:
+            groups.append(tuple(sorted(current)))
+            current, filled, cap = [], 0.0, bucket_bytes
+    if current:
+        groups.append(tuple(sorted(current)))
+    return groups
+
+
 def bucket_plan(
     t_f: float, t_b: Sequence[float], sizes: Sequence[float], model: CommModel, first_bytes: float = 1 << 20, bucket_bytes: float = 25 << 20
 ) -> MergePlan:
@@ -271,18 +294,7 @@ def bucket_plan(
     >>> bucket_plan(0.0, [1e-4] * 4, [600e3] * 4, CommModel(a=1e-3, b=1e-9)).groups
     ((1, 2), (3, 4))
     """
-    if first_bytes <= 0 or bucket_bytes <= 0:
-        raise ConfigError(f"bucket sizes must be positive, got first {first_bytes} and then {bucket_bytes} bytes")
-    groups, current, filled, cap = [], [], 0.0, first_bytes
-    for l in range(len(t_b), 0, -1):
-        current.append(l)
-        filled += sizes[l - 1]
-        if filled >= cap:
-            groups.append(tuple(sorted(current)))
-            current, filled, cap = [], 0.0, bucket_bytes
-    if current:
-        groups.append(tuple(sorted(current)))
-    return _plan_of(t_f, t_b, sizes, model, tuple(sorted(groups)))
+    return _plan_of(t_f, t_b, sizes, model, tuple(sorted(ddp_buckets(sizes[: len(t_b)], first_bytes, bucket_bytes))))
 
 
 def tapered_plan(
@@ -302,7 +314,7 @@ def tapered_plan(
     >>> tapered_plan(0.0, [1e-4] * 4, [600e3] * 4, CommModel(a=1e-3, b=1e-9)).groups
     ((1,), (2,), (3, 4))
     """
-    groups = list(bucket_plan(t_f, t_b, sizes, model, first_bytes, bucket_bytes).groups)
+    groups = sorted(ddp_buckets(sizes[: len(t_b)], first_bytes, bucket_bytes))
     last, filled, cut = groups[0], 0.0, 0
     for layer in last:
         filled += sizes[layer - 1]

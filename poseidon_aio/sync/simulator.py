@@ -100,6 +100,7 @@ from ..cluster.models import Trace
 from ..errors import ConfigError
 from ..wire import Kind, factors
 from .cost import ALLREDUCE_ALGORITHMS, HYBCOMM_SCHEMES, LayerKind, LayerShape, Link, Scheme, goes_round_ring
+from .mgwfbp import ddp_buckets
 from .plan import Mode, PlanLayer, choose_schemes
 from .runtime import BEST_PLANNERS, CALIBRATION_SIZES, MergeConfig, MergeKind, MergeRuntime, link_of
 from .syncer import syncer_class
@@ -517,16 +518,12 @@ class _Simulation:
 
 
 def _ddp_buckets(layers: list) -> list:
-    """DDP's buckets over parameters in reverse order: ``[(layer indices, bytes, ready)]``."""
-    out, members, size, limit = [], [], 0, DDP_FIRST_BUCKET_BYTES
-    for layer in reversed(layers):
-        members.append(layer.index)
-        size += layer.nbytes
-        if size >= limit:
-            out.append((tuple(members), size, max(layers[i].ready for i in members)))
-            members, size, limit = [], 0, DDP_BUCKET_BYTES
-    if members:
-        out.append((tuple(members), size, max(layers[i].ready for i in members)))
+    """DDP's buckets over parameters in reverse order (``mgwfbp.ddp_buckets``, the trainer's
+    ``buckets`` plan): ``[(layer indices, bytes, ready)]``."""
+    out = []
+    for group in ddp_buckets([layer.nbytes for layer in layers], DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES):
+        members = tuple(l - 1 for l in group)
+        out.append((members, sum(layers[i].nbytes for i in members), max(layers[i].ready for i in members)))
     return out
 
 
