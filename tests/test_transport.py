@@ -481,3 +481,37 @@ def _read_until_closed(sock) -> bytes:
     while chunk := sock.recv(4096):
         replies += chunk
     return replies
+
+
+async def test_the_receive_mark_is_set_on_the_transports_socket_and_our_duplicate_closes_with_it():
+    # Connection._tune_lowat sets SO_RCVLOWAT through a socket of its own on uvloop (a duplicate
+    # descriptor: uvloop's stand-in builds a socket.socket per call); the mark must reach the
+    # transport's socket, and the duplicate must not outlive the connection.
+    conns = []
+
+    async def keep(conn):
+        conns.append(conn)
+        await conn.wait_closed()
+
+    listener = await listen("127.0.0.1", 0, rank=1, config=net_config(), on_connection=keep)
+    try:
+        async with asyncio.timeout(30):
+            client = await connect(*listener.address, rank=0, config=net_config())
+            await until(lambda: conns, what="the peer being admitted")
+        server = conns[0]
+        if server._lowat_sock is None:
+            pytest.skip("SO_RCVLOWAT is not used on this platform")
+        mark = socket.SOL_SOCKET, socket.SO_RCVLOWAT
+        transports = server._transport.get_extra_info("socket")
+        ours, owned = server._lowat_sock, server._lowat_owned
+        assert owned == (asyncio.get_running_loop().__class__.__module__.startswith("uvloop"))
+        ours.setsockopt(*mark, 12345)
+        assert transports.getsockopt(*mark) == 12345
+        await client.close()
+        async with asyncio.timeout(30):
+            await server.wait_closed()
+        assert server._lowat_sock is None
+        if owned:
+            assert ours.fileno() == -1  # our duplicate closed with the link
+    finally:
+        await listener.close()

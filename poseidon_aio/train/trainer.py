@@ -274,6 +274,7 @@ class Trainer:
             layer.param_ids = [index[id(p)] for _, p in layer.params]
         self._buffers = list(model.buffers())
         self.schemes: dict = {}  # layer index -> Scheme
+        self._scheme_names: dict = {}  # layer name -> its scheme's name, as every step reports them
         self.staging = Staging()
         self._gpu = any(self.staging.staged(p) for _, p in self._named)
         self._syncers: dict = {}  # Scheme -> Syncer (a mergeable one wrapped in Merging)
@@ -550,7 +551,7 @@ class Trainer:
             step_s=done - state.started,
             bytes=state.bytes,  # (the step's own: under SSP its syncs that are still moving add to it)
             dropped=sorted(state.dropped),
-            schemes={layer.name: self.schemes[layer.index].value for layer in self.layers},
+            schemes=dict(self._scheme_names),  # a copy: a caller may change a step's dict
         )
 
     def _aggregates(self, clock: int) -> dict:
@@ -799,7 +800,8 @@ class Trainer:
             if self.compression_plan:
                 log.info("rank %d: lossy plan\n%s", self.rank, lossy.describe(self.compression_plan))
         self.schemes = {layer.index: Scheme(by_name[layer.name]) for layer in self.layers}
-        plan = json.dumps({layer.name: self.schemes[layer.index].value for layer in self.layers})
+        self._scheme_names = {layer.name: self.schemes[layer.index].value for layer in self.layers}
+        plan = json.dumps(self._scheme_names)
         await self._job.rendezvous.check_digest("scheme plan", plan)
         groups = {}
         for scheme in self._mergeable():
