@@ -48,8 +48,9 @@ SETUPS = [("loopback", "real"), ("1gbit", "real"), ("1gbit", "replayed"), ("100m
 
 def impl_variant(impl: str) -> tuple:
     """``bench.parse_impl`` with this bench's settings: ours ``chunk``, ``merge``, ``allreduce``,
-    ``hybcomm`` (as ``ps+allreduce``); DDP's ``sparse=1``."""
-    ours = {"chunk", "merge", "allreduce", "hybcomm"}
+    ``hybcomm`` (as ``ps+allreduce``), ``early`` (``PSConfig.early_step_bytes``, 0: off); DDP's
+    ``sparse=1``."""
+    ours = {"chunk", "merge", "allreduce", "hybcomm", "early"}
     return parse_impl(impl, {"ddp": {"sparse"}, **{m: ours for m in IMPLS if m != "ddp"}})
 
 
@@ -119,6 +120,7 @@ def worker(cfg: dict) -> None:
                 allreduce=variant.get("allreduce", cfg["allreduce"]),
                 group_spread_bytes=cfg.get("group_spread_bytes"),
                 chunk_bytes=int(variant.get("chunk", poseidon_aio.PSConfig.chunk_bytes)),
+                early_step_bytes=int(variant.get("early", poseidon_aio.PSConfig.early_step_bytes)) or None,
             )
             kind = variant.get("merge", cfg.get("merge"))
             merge = MergeConfig(kind=kind) if kind and mode != "wfbp" else None

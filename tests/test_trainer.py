@@ -26,6 +26,8 @@ RUNS = [
     ("ring", "poseidon", "every-allreduce", None, {"ps": {"chunk_bytes": 64, "allreduce": "ring"}}),
     ("direct", "poseidon", "every-allreduce", None, {"ps": {"allreduce": "direct"}}),
     ("mixed", "poseidon", "mixed"),  # SFB, all-reduce and PS side by side
+    # the optimizer stepping each sync's parameters as it lands (PSConfig.early_step_bytes)
+    ("early", "poseidon", "mixed", None, {"ps": {"early_step_bytes": 1}}),
 ]
 
 specs = st.one_of(
@@ -128,12 +130,14 @@ def test_hybcomm_uses_sfb_where_it_is_cheaper_and_bytes_match_the_cost_model():
     assert abs(ps_only - ps_predicted) <= 0.05 * ps_predicted
 
 
-@pytest.mark.parametrize("mode,staleness,merge", [("poseidon", 0, None), ("wfbp", 1, None), ("poseidon", 0, "single")])
-def test_frozen_tied_unused_params_any_optimizer_and_scheduler(mode, staleness, merge):
+@pytest.mark.parametrize(
+    "mode,staleness,merge,early", [("poseidon", 0, None, False), ("wfbp", 1, None, False), ("poseidon", 0, "single", False), ("poseidon", 0, None, True), ("wfbp", 0, None, True)]
+)
+def test_frozen_tied_unused_params_any_optimizer_and_scheduler(mode, staleness, merge, early):
     from .trainworkers import tricky_single, tricky_worker
 
     workers, steps, size, seed = 2, 3, 4, 3
-    res = run_workers(workers, tricky_worker, seed, steps, size, staleness, mode, merge, timeout=120)
+    res = run_workers(workers, tricky_worker, seed, steps, size, staleness, mode, merge, early, timeout=120)
     params, schemes, groups = res[0]
     if merge:  # the unused layer shares a message with layers that report: it must not hold it up
         assert any("unused" in g and len(g) > 1 for g in groups), groups

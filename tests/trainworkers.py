@@ -220,7 +220,7 @@ def tricky_single(seed: int, workers: int, steps: int, size: int, staleness: int
     return [p.detach().numpy().copy() for p in model.parameters()]
 
 
-def tricky_worker(rank: int, seed: int, steps: int, size: int, staleness: int, mode: str, merge=None):
+def tricky_worker(rank: int, seed: int, steps: int, size: int, staleness: int, mode: str, merge=None, early=False):
     import poseidon_aio
     from poseidon_aio.ps import PSConfig
     from poseidon_aio.sync import MergeConfig
@@ -235,7 +235,8 @@ def tricky_worker(rank: int, seed: int, steps: int, size: int, staleness: int, m
     async def main():
         overlaps = []
         async with poseidon_aio.Trainer(
-            model, opt, nn.functional.cross_entropy, mode=mode, ps=PSConfig(staleness=staleness),
+            # early: the optimizer steps each sync's parameters as it lands, however small
+            model, opt, nn.functional.cross_entropy, mode=mode, ps=PSConfig(staleness=staleness, early_step_bytes=1 if early else PSConfig.early_step_bytes),
             schemes={"shared": "sfb"} if mode == "poseidon" else None,
             # merged: a group holding a layer that never reports (``unused``) still goes out
             merge=MergeConfig(kind=merge, after=1, calibration_sizes=(4096, 65536), trial=0) if merge else None,

@@ -100,6 +100,11 @@ class PSConfig:
             0 keeps every group on one shard. ``None``: the trainer takes the bytes of P2
             message start-ups on its measured link (``cluster.book.spread_bytes_for``), at
             least 64 KiB.
+        early_step_bytes: under BSP on the CPU, with a per-parameter ``torch.optim`` optimizer
+            (SGD, Adam, ...) and no step hooks, the optimizer steps the parameters whose syncs
+            have landed while others are still moving, once they hold this many bytes; the last
+            ones are stepped after the last sync. Every parameter gets the bits one step over
+            all of them gives. ``None``: one step after every sync.
     """
 
     shards: Optional[int] = None
@@ -116,12 +121,17 @@ class PSConfig:
     outbox_bytes: Optional[int] = None
     allreduce: str = "auto"
     group_spread_bytes: Optional[int] = None
+    # The update streams ~3 bytes for each byte of parameters (SGD: 0.4 ms for 4 MiB on the
+    # workplace's CPU), well above the hop to the compute thread and back (~0.1 ms loaded).
+    early_step_bytes: Optional[int] = 4 << 20
 
     def __post_init__(self) -> None:
         if self.shards is not None and self.shards < 1:
             raise ConfigError(f"PSConfig.shards must be >= 1, got {self.shards}")
         if self.staleness < 0:
             raise ConfigError(f"PSConfig.staleness must be >= 0, got {self.staleness}")
+        if self.early_step_bytes is not None and self.early_step_bytes < 1:
+            raise ConfigError(f"PSConfig.early_step_bytes must be >= 1 (None: off), got {self.early_step_bytes}")
         if self.checkpoint_every < 0:
             raise ConfigError("PSConfig.checkpoint_every must be >= 0")
         if self.checkpoint_every and not self.checkpoint_dir:

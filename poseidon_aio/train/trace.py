@@ -80,7 +80,8 @@ class Tracer:
 
     def step(self, clock: int, started: float, compute_end: float, spans: list, done: float, work: list = ()) -> None:
         """Record a step: its forward+backward, every sync from ready to done, and the compute the
-        syncs did themselves (SFB's rebuilds, on their own thread: they overlap the backward)."""
+        syncs did themselves (SFB's rebuilds, on their own thread: they overlap the backward) or
+        that ran while syncs were moving (the optimizer's early steps)."""
         if not self.on:
             return
         us = lambda t: round((t - self._t0) * 1e6, 1)  # noqa: E731
@@ -89,8 +90,8 @@ class Tracer:
         for s in spans:
             ev.append({"name": f"{s.label} ready", "ph": "i", "s": "t", "pid": pid, "tid": "compute", "ts": us(s.ready)})
             ev.append({"name": f"sync {s.label} ({s.scheme.value})", "ph": "X", "pid": pid, "tid": f"sync {s.scheme.value}", "ts": us(s.start), "dur": us(s.end or done) - us(s.start), "args": {"clock": clock}})
-        for what, start, end in work:
-            ev.append({"name": what, "ph": "X", "pid": pid, "tid": "rebuild", "ts": us(start), "dur": us(end) - us(start), "args": {"clock": clock}})
+        for what, start, end, *where in work:  # (what, start, end[, thread]): SFB's rebuilds by default
+            ev.append({"name": what, "ph": "X", "pid": pid, "tid": where[0] if where else "rebuild", "ts": us(start), "dur": us(end) - us(start), "args": {"clock": clock}})
 
     async def align(self, peers, timeout: float) -> None:
         """Put this rank's timestamps in rank 0's time base: of ``_PINGS`` round trips to rank 0,
