@@ -802,12 +802,19 @@ class Trainer:
         A sync that fails raises here, as ``gather`` does; layers already stepped stay stepped
         (the step fails either way, and a run resumes from its checkpoint)."""
         ids_of = {id(sync): ids for sync, ids in zip(state.syncs, state.sync_ids)}
-        pending, landed = set(state.syncs), []
+        arrivals: asyncio.Queue = asyncio.Queue()  # holds at most the step's syncs
+        for sync in state.syncs:
+            sync.add_done_callback(arrivals.put_nowait)
+        pending, landed = len(state.syncs), []
         while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for sync in done:
+            sync = await arrivals.get()
+            while True:  # every sync that has landed by now
+                pending -= 1
                 sync.result()  # the first failure ends the step
                 landed.extend(ids_of[id(sync)])
+                if arrivals.empty():
+                    break
+                sync = arrivals.get_nowait()
             if pending and self._bytes_of(landed) >= self.ps_config.early_step_bytes:
                 # On the compute thread, never on the loop: the loop is receiving the rest.
                 started = time.perf_counter()
@@ -862,7 +869,6 @@ class Trainer:
             state.stepped.update(ids)
         else:
             step_some(self.optimizer, {id(self._named[i][1]) for i in state.stepped}, keep=False)
-
 
     # -- plan and parameter server ----------------------------------------------------------
 
