@@ -21,6 +21,8 @@ main: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m poseidon_aio.cli info --require-extension
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	PYTHONASYNCIODEBUG=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist load
 	POSEIDON_NO_EXTENSIONS=1 PYTHONASYNCIODEBUG=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist load tests/test_codec.py tests/test_transport.py
 

@@ -109,7 +109,8 @@ def emulate(digits, variant: str, seed: int, workers: int, epochs: int, batch: i
     import torch
     from torch import nn
 
-    from poseidon_aio.sync.compress import MIN_ELEMENTS, Feedback, TopKStep, rank_order_mean
+    from poseidon_aio.plan.lossy import MIN_ELEMENTS
+    from poseidon_aio.sync.compress import Feedback, TopKStep, rank_order_mean
     from poseidon_aio.wire import half
 
     train, test = digits.load(seed)

@@ -47,9 +47,10 @@ import sys
 import time
 
 from bench import job_cpu, launch, median_run
+from poseidon_aio.units import parse_rate
 
 IMPLS = ["ddp", "ddp_powersgd", "ddp_fp16", "exact", "auto"]
-RATES = {"1gbit": ("1gbit", 125e6), "100mbit": ("100mbit", 12.5e6)}
+RATES = {link: (link, parse_rate(link) / 8) for link in ("1gbit", "100mbit")}  # tc rate, bytes/s
 LOSSY = ("fp16", "powersgd", "topk")
 
 
@@ -108,7 +109,7 @@ def worker(cfg: dict) -> None:
         from poseidon_aio import kernels
         from poseidon_aio.net import NetConfig, ShaperConfig
         from poseidon_aio.net.credentials import token_from_env
-        from poseidon_aio.sync import CompressionConfig
+        from poseidon_aio.plan import CompressionConfig
 
         rate = cfg["tflops"] * 1e12
 

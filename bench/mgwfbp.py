@@ -2,7 +2,7 @@
 
 The model is ResNet-50-shaped: its 107 parameter-owning layers (53 convolutions, 53 batch norms,
 the classifier; 161 tensors, 25.6 M parameters) with their real sizes, from the library's trace
-(``cluster.models.trace("resnet50")``, the simulator's too). Compute is replayed by sleeping for
+(``plan.models.trace("resnet50")``, the simulator's too). Compute is replayed by sleeping for
 each layer's FLOPs at batch 32 on 224x224 images at ``--device-tflops`` (2 TFLOP/s: a K80 GPU at
 about two thirds of its peak, the paper's hardware), forward 1x, backward 2x.
 Every gradient byte crosses a real socket between real processes.
@@ -43,8 +43,8 @@ SCHEMES = ["wfbp", "single", "algorithm1", "optimal", "mgwfbp"]
 
 def resnet50_layers() -> list:
     """``[(name, [param shapes], forward FLOPs at batch 32)]`` in forward order: the library's
-    trace (``poseidon_aio.cluster.models.trace``), which the simulator replays too."""
-    from poseidon_aio.cluster.models import trace
+    trace (``poseidon_aio.plan.models.trace``), which the simulator replays too."""
+    from poseidon_aio.plan.models import trace
 
     return list(trace("resnet50", batch=ROWS))
 
@@ -56,8 +56,9 @@ def _worker(rank: int, world: int, port: int, scheme: str, args: dict, out) -> N
 
     import poseidon_aio
     from poseidon_aio.net import ShaperConfig
-    from poseidon_aio.sync import MergeConfig
-    from poseidon_aio.sync.runtime import BEST_PLANNERS
+    from poseidon_aio.net.credentials import config_from_env
+    from poseidon_aio.plan import MergeConfig
+    from poseidon_aio.plan.merging import BEST_PLANNERS
 
     torch.set_num_threads(1)
     dilation, rate = args["dilation"], args["tflops"] * 1e12
@@ -103,7 +104,7 @@ def _worker(rank: int, world: int, port: int, scheme: str, args: dict, out) -> N
 
     async def main():
         times = []
-        async with poseidon_aio.Trainer(model, opt, loss_fn, mode=mode, merge=merge, bandwidth=link, broadcast_buffers=False) as trainer:
+        async with poseidon_aio.Trainer(model, opt, loss_fn, mode=mode, merge=merge, net=config_from_env(bandwidth=link), broadcast_buffers=False) as trainer:
             for _ in range(untimed + args["steps"]):
                 started = time.perf_counter()
                 await trainer.step((x, None))

@@ -1,7 +1,7 @@
 """``python -m bench paper``: ATC'17's scaling experiments, trace-driven, with our real code path.
 
 Every worker is a real process in its own network namespace behind tc tbf (bench/netns.py), with
-the papers' models' real layer shapes (``poseidon_aio.cluster.models.trace``: VGG19, VGG19-22K,
+the papers' models' real layer shapes (``poseidon_aio.plan.models.trace``: VGG19, VGG19-22K,
 Inception-V3, ResNet-152) and their compute **replayed** per layer at a stated device rate; every
 parameter, gradient, sufficient factor and byte on the wire is real. Rows: naive PS, WFBP (PS),
 poseidon (WFBP + HybComm + MG-WFBP) and DDP (gloo, the same caps), at 1, 2, 4, 8 and 16 workers;
@@ -40,6 +40,7 @@ import time
 from typing import Optional
 
 from bench import launch, parse_impl
+from poseidon_aio.units import parse_rate
 
 IMPLS = ["naive", "wfbp", "poseidon", "ddp"]
 # The modes whose merge plan is measured, then tried: their warm-up holds the trials.
@@ -55,21 +56,13 @@ def impl_variant(impl: str) -> tuple:
     return mode, {"hybcomm": tuple(variant["hybcomm"].split("+"))} if variant else {}
 
 
-def _rate_bits(text: str) -> float:
-    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
-    for unit, scale in units.items():
-        if text.lower().endswith(unit):
-            return float(text[: -len(unit)]) * scale
-    return float(text)
-
-
 # -- the replayed model ---------------------------------------------------------------------------
 
 
 def scaled_layers(model: str, batch: int, scale: float) -> list:
     """``[(name, kind, shapes, rows, full-size forward FLOPs)]``: the trace with every layer's
     bytes divided by ``scale`` (see the module docstring)."""
-    from poseidon_aio.cluster.models import trace
+    from poseidon_aio.plan.models import trace
 
     root = math.sqrt(scale)
     out = []
@@ -176,7 +169,7 @@ def worker(cfg: dict) -> None:
         import poseidon_aio
         from poseidon_aio import kernels
         from poseidon_aio.cluster.book import DEFAULT_CHUNK_BYTES
-        from poseidon_aio.sync import MergeConfig
+        from poseidon_aio.plan import MergeConfig
 
         rate, grow = cfg["tflops"] * 1e12, cfg["scale"] ** 1.5  # an FC layer's K M N shrank by s^1.5
 
@@ -263,9 +256,9 @@ def layer_overheads(results: dict, args) -> dict:
     forward and a backward a layer. The replay's per-layer costs (autograd, the trainer's hooks,
     the sleep's overshoot) are the framework's, which the trace's FLOPs leave out; a model with
     many small layers pays them most (ResNet-152: 311 layers)."""
-    from poseidon_aio.cluster.models import trace
-    from poseidon_aio.sync.cost import Link
-    from poseidon_aio.sync.simulator import Simulator
+    from poseidon_aio.plan.models import trace
+    from poseidon_aio.plan.cost import Link
+    from poseidon_aio.plan.simulator import Simulator
 
     out = {}
     for (model, world, impl), res in results.items():
@@ -277,7 +270,7 @@ def layer_overheads(results: dict, args) -> dict:
 
 
 def simulate_beside(results: dict, args, rate_bits: float, efficiency: Optional[dict] = None) -> tuple:
-    """The simulator (poseidon_aio.sync.simulator) at every emulated point, full size, same rate and
+    """The simulator (poseidon_aio.plan.simulator) at every emulated point, full size, same rate and
     link, start-up ``--alpha-us`` per message: on ideal links; given ``efficiency`` (``{senders:
     fraction}``, measured on the emulation's links by ``bench.patterns.fan_in_efficiency``), on
     links that lose what the emulated ones lose to fan-in; and, where one worker was emulated,
@@ -287,9 +280,9 @@ def simulate_beside(results: dict, args, rate_bits: float, efficiency: Optional[
     (markdown lines, max relative error of the last column over the points with 2 and more
     workers (one worker is the overhead's measurement), the ideal links' max error, MG-WFBP
     speed-up over WFBP)."""
-    from poseidon_aio.cluster.models import trace
-    from poseidon_aio.sync.cost import Link
-    from poseidon_aio.sync.simulator import FlowEfficiency, Simulator
+    from poseidon_aio.plan.models import trace
+    from poseidon_aio.plan.cost import Link
+    from poseidon_aio.plan.simulator import FlowEfficiency, Simulator
     from poseidon_aio.wire import Kind
 
     from bench.simulate import paper_startup
@@ -337,7 +330,7 @@ def simulate_beside(results: dict, args, rate_bits: float, efficiency: Optional[
 
 def _efficiency(args, worlds: list, rate_bits: float) -> Optional[dict]:
     """``{senders: fraction}`` for the simulator (see ``--efficiency``), or None for ideal links."""
-    from poseidon_aio.sync.simulator import FlowEfficiency
+    from poseidon_aio.plan.simulator import FlowEfficiency
 
     if args.efficiency == "ideal":
         return None
@@ -382,9 +375,9 @@ def figures(out: str, results: dict, args, rate_bits: float) -> list:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    from poseidon_aio.cluster.models import trace
-    from poseidon_aio.sync.cost import Link
-    from poseidon_aio.sync.simulator import Simulator
+    from poseidon_aio.plan.models import trace
+    from poseidon_aio.plan.cost import Link
+    from poseidon_aio.plan.simulator import Simulator
 
     link = Link.of_bandwidth(rate_bits / 8, args.alpha_us * 1e-6)
     paths = []
@@ -467,7 +460,7 @@ def main(argv=None) -> dict:
     if args.worker:
         worker(json.loads(args.worker))
         return {}
-    rate_bits = _rate_bits(args.link)
+    rate_bits = parse_rate(args.link)
     os.makedirs(args.out, exist_ok=True)
     worlds = [int(w) for w in args.workers.split(",")]
     impls = args.impls.split(",")

@@ -32,8 +32,10 @@ import subprocess
 import sys
 import time
 
+from poseidon_aio.units import parse_rate
+
 PATTERNS = ("ring", "mesh", "pairwise")
-RATES = {"100mbit": 12.5e6, "1gbit": 125e6}
+RATES = {link: parse_rate(link) / 8 for link in ("100mbit", "1gbit")}  # bytes/s
 PORT = 29555
 
 
@@ -121,7 +123,7 @@ def fan_in_efficiency(worlds, rate_bits: float, seconds: float = 1.0, repeats: i
     """``{senders: fraction of the rate delivered}`` on links capped at ``rate_bits``: from a ring
     (one sender into each down-link; the median over ``worlds``) and an all-to-all (``mesh``: P - 1
     senders) at each P of ``worlds`` above 2, each moving ``seconds`` of bytes a round; fraction =
-    the bound (bytes each way ÷ rate) ÷ the time. What ``sync.simulator.FlowEfficiency`` takes."""
+    the bound (bytes each way ÷ rate) ÷ the time. What ``plan.simulator.FlowEfficiency`` takes."""
     rate = f"{rate_bits / 1e3:.0f}kbit"
     ones, points = [], {}
     for world in sorted({int(w) for w in worlds if int(w) >= 2}):

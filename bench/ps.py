@@ -48,7 +48,7 @@ def _transformer_shapes() -> list:
 
 
 def _cases(args, link: str) -> list:
-    from poseidon_aio.cluster.models import vgg19
+    from poseidon_aio.plan.models import vgg19
 
     cases = [] if args.skip_64mib else [("64MiB", [(16 * MiB,)], 2 * MiB)]
     if not args.skip_vgg19:
@@ -140,7 +140,7 @@ def _gloo_mean(dist, tensors, world: int) -> None:
 
 def shard_load_table(shards: int) -> tuple:
     from poseidon_aio.cluster import InformationBook
-    from poseidon_aio.cluster.models import vgg19
+    from poseidon_aio.plan.models import vgg19
 
     balanced = InformationBook(vgg19(), workers=shards, shards=shards)
     tensor = InformationBook(vgg19(), workers=shards, shards=shards, placement="tensor")

@@ -1,7 +1,7 @@
 """``python -m bench simulate``: the discrete-event simulator from 1 to 1024 workers.
 
-One process, no sockets: ``poseidon_aio.sync.simulator`` on the models' traces
-(``poseidon_aio.cluster.models.trace``), with the trainer's own HybComm plan, information book
+One process, no sockets: ``poseidon_aio.plan.simulator`` on the models' traces
+(``poseidon_aio.plan.models.trace``), with the trainer's own HybComm plan, information book
 and MG-WFBP planners. Sections, each a markdown table:
 
 1. Speed-up over one worker (``P t(1) / t(P)``, batch 32 per worker) at 1, 2, 4, ..., 1024
@@ -33,7 +33,7 @@ and MG-WFBP planners. Sections, each a markdown table:
    default, ``best`` (both plans and one message tried, the fastest kept, or none), gains over
    Algorithm 1 alone.
 
-The network (``sync/simulator.py``): every worker's NIC has an up- and a down-link, FIFO each;
+The network (``plan/simulator/network.py``): every worker's NIC has an up- and a down-link, FIFO each;
 a message takes ``alpha + bytes * beta`` of its sender's up-link and ``bytes * beta`` of its
 receiver's down-link. alpha is 45.26 us on both networks (a per-message software start-up;
 MG-WFBP's 10GbE figure). Figures (PNG) go to ``--out`` when matplotlib is installed
@@ -49,9 +49,9 @@ import platform
 import statistics
 import time
 
-from poseidon_aio.cluster.models import PAPER_BATCH, trace
-from poseidon_aio.sync.cost import PAPER_SCHEMES, Link, Scheme
-from poseidon_aio.sync.simulator import FlowEfficiency, Simulator
+from poseidon_aio.plan.cost import PAPER_SCHEMES, Link, Scheme
+from poseidon_aio.plan.models import PAPER_BATCH, trace
+from poseidon_aio.plan.simulator import FlowEfficiency, Simulator
 from poseidon_aio.wire import Kind
 
 TITAN_X = 6e12  # FLOP/s a Titan X sustains on these models (its peak is 11 TFLOP/s)
@@ -458,7 +458,7 @@ def main(argv=None) -> dict:
     rate, alpha = a.tflops * 1e12, a.alpha_us * 1e-6
     efficiency = FlowEfficiency.parse(a.efficiency) if a.efficiency else None
     results = scaling(models, workers, rate, alpha, efficiency)
-    lines = [f"Simulated iteration (sync/simulator.py); start-up {a.alpha_us:g} us per message; links {efficiency or 'ideal'}."]
+    lines = [f"Simulated iteration (plan/simulator); start-up {a.alpha_us:g} us per message; links {efficiency or 'ideal'}."]
     lines += scaling_tables(results, workers, rate)
     lines += latency_sensitivity(results, models, rate, alpha, sorted({min(32, workers[-1]), workers[-1]}), efficiency)
     switch_lines, switch = switch_points(results, "10GbE")

@@ -39,16 +39,17 @@ import sys
 import time
 
 from bench import job_cpu, launch, median_run, parse_impl
+from poseidon_aio.units import parse_rate
 
 IMPLS = ["ddp", "wfbp", "poseidon"]
-RATES = {"1gbit": ("1gbit", 125e6), "100mbit": ("100mbit", 12.5e6)}
+RATES = {link: (link, parse_rate(link) / 8) for link in ("1gbit", "100mbit")}  # tc rate, bytes/s
 # (link, compute) rows run by default.
 SETUPS = [("loopback", "real"), ("1gbit", "real"), ("1gbit", "replayed"), ("100mbit", "real"), ("100mbit", "replayed")]
 
 
 def impl_variant(impl: str) -> tuple:
     """``bench.parse_impl`` with this bench's settings: ours ``chunk``, ``merge``, ``allreduce``,
-    ``hybcomm`` (as ``ps+allreduce``), ``early`` (``PSConfig.early_step_bytes``, 0: off); DDP's
+    ``hybcomm`` (as ``ps+allreduce``), ``early`` (``OptimizerConfig.early_step_bytes``, 0: off); DDP's
     ``sparse=1``."""
     ours = {"chunk", "merge", "allreduce", "hybcomm", "early"}
     return parse_impl(impl, {"ddp": {"sparse"}, **{m: ours for m in IMPLS if m != "ddp"}})
@@ -99,7 +100,9 @@ def worker(cfg: dict) -> None:
         from poseidon_aio import kernels
         from poseidon_aio.net import NetConfig, ShaperConfig
         from poseidon_aio.net.credentials import token_from_env
-        from poseidon_aio.sync import MergeConfig
+        from poseidon_aio.plan import MergeConfig
+        from poseidon_aio.sync import AllReduceConfig
+        from poseidon_aio.train import OptimizerConfig
 
         if replayed:
             rate = cfg["tflops"] * 1e12
@@ -117,15 +120,17 @@ def worker(cfg: dict) -> None:
             stats = []
             mode, variant = impl_variant(cfg["impl"])
             ps = poseidon_aio.PSConfig(
-                allreduce=variant.get("allreduce", cfg["allreduce"]),
                 group_spread_bytes=cfg.get("group_spread_bytes"),
                 chunk_bytes=int(variant.get("chunk", poseidon_aio.PSConfig.chunk_bytes)),
-                early_step_bytes=int(variant.get("early", poseidon_aio.PSConfig.early_step_bytes)) or None,
             )
+            allreduce = AllReduceConfig(variant.get("allreduce", cfg["allreduce"]))
+            early = OptimizerConfig(early_step_bytes=int(variant.get("early", OptimizerConfig.early_step_bytes)) or None)
             kind = variant.get("merge", cfg.get("merge"))
             merge = MergeConfig(kind=kind) if kind and mode != "wfbp" else None
             hybcomm = {"hybcomm": tuple(variant["hybcomm"].split("+"))} if "hybcomm" in variant else {}
-            async with poseidon_aio.Trainer(model, opt, loss_fn, mode=mode, net=net, ps=ps, merge=merge, **hybcomm) as trainer:
+            async with poseidon_aio.Trainer(
+                model, opt, loss_fn, mode=mode, net=net, ps=ps, merge=merge, allreduce=allreduce, optimizer_config=early, **hybcomm
+            ) as trainer:
                 for t in range(total):
                     started, cpu0, loop0 = time.perf_counter(), time.process_time(), time.thread_time()
                     stats.append(await trainer.step(mine))
@@ -185,7 +190,7 @@ def main(argv=None) -> dict:
 
     parser = argparse.ArgumentParser(prog="python -m bench train", description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--setups", default=",".join(f"{l}:{c}" for l, c in SETUPS), help="link:compute pairs")
+    parser.add_argument("--setups", default=",".join(f"{link}:{compute}" for link, compute in SETUPS), help="link:compute pairs")
     parser.add_argument("--models", default="fc,cnn,resnet,transformer")
     parser.add_argument("--workers", default="2,4")
     parser.add_argument("--impls", default=",".join(IMPLS), help="ddp, wfbp, poseidon; a variant of ours runs beside them as e.g. poseidon:chunk=262144:merge=single")
@@ -194,7 +199,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=19, help="untimed steps (merging is planned after 3, then up to 5 plans tried for 3 steps each)")
     parser.add_argument("--device-tflops", type=float, default=6.0, help="replayed device rate, TFLOP/s")
     parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--allreduce", default="auto", choices=("auto", "ring", "direct"), help="PSConfig.allreduce for our runs")
+    parser.add_argument("--allreduce", default="auto", choices=("auto", "ring", "direct"), help="AllReduceConfig.algorithm for our runs")
     parser.add_argument("--group-spread-bytes", type=int, default=None, help="PSConfig.group_spread_bytes for our runs (0: every merge group on one shard; default: from the measured link)")
     parser.add_argument("--merge", default=None, choices=("none", "algorithm1", "optimal", "best", "single", "buckets", "tapered"), help="MergeConfig.kind for our runs (default: the trainer's)")
     args = parser.parse_args(argv)

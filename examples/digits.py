@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import poseidon_aio
+from poseidon_aio.units import parse_rate
 
 
 def build_model(seed: int) -> nn.Module:
@@ -67,14 +68,6 @@ def accuracy(model: nn.Module, data) -> float:
     model.eval()
     with torch.no_grad():
         return float((model(data[0]).argmax(1) == data[1]).float().mean()) * 100
-
-
-def bits_per_s(text: str) -> float:
-    """``"100mbit"`` or ``"1gbit"`` in bits per second."""
-    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if text.lower().endswith(unit):
-            return float(text[: -len(unit)]) * scale
-    raise SystemExit(f"--plan-bandwidth takes e.g. 100mbit or 1gbit, got {text!r}")
 
 
 def make_optimizer(model: nn.Module):
@@ -116,9 +109,9 @@ async def distributed(args, train, test):
     started, stalled, moved, schemes = time.perf_counter(), 0.0, {}, {}
     compression = None
     if args.compression != "none":
-        from poseidon_aio.sync import CompressionConfig, Link
+        from poseidon_aio.plan import CompressionConfig, Link
 
-        link = Link.of_bandwidth(bits_per_s(args.plan_bandwidth) / 8, 1e-4) if args.plan_bandwidth else None  # 100 us a round: a LAN's
+        link = Link.of_bandwidth(args.plan_bandwidth / 8, 1e-4) if args.plan_bandwidth else None  # 100 us a round: a LAN's
         compression = CompressionConfig(args.compression, link=link)
     async with poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, mode=args.mode, compression=compression) as trainer:
         for epoch in range(args.epochs):
@@ -149,7 +142,7 @@ def main() -> int:
     parser.add_argument("--mode", default="poseidon", choices=["naive", "wfbp", "poseidon"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compression", default="none", choices=["none", "auto", "fp16", "powersgd", "topk"], help="lossy gradient compression (mode poseidon)")
-    parser.add_argument("--plan-bandwidth", help="plan as if each link were this, e.g. 100mbit (default: the link measured at start)")
+    parser.add_argument("--plan-bandwidth", type=parse_rate, help="plan as if each link were this, e.g. 100mbit (default: the link measured at start)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)

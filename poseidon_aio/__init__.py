@@ -22,7 +22,14 @@ _LAZY = {
     "StragglerPolicy": ("poseidon_aio.ps", "StragglerPolicy"),
     "ServerSGD": ("poseidon_aio.ps", "ServerSGD"),
     "NetConfig": ("poseidon_aio.net", "NetConfig"),
-    "CompressionConfig": ("poseidon_aio.sync", "CompressionConfig"),
+    "TLSConfig": ("poseidon_aio.net", "TLSConfig"),
+    "ShaperConfig": ("poseidon_aio.net", "ShaperConfig"),
+    "StartupConfig": ("poseidon_aio.cluster", "StartupConfig"),
+    "MergeConfig": ("poseidon_aio.plan", "MergeConfig"),
+    "AllReduceConfig": ("poseidon_aio.sync", "AllReduceConfig"),
+    "CompressionConfig": ("poseidon_aio.plan", "CompressionConfig"),
+    "OptimizerConfig": ("poseidon_aio.train", "OptimizerConfig"),
+    "TraceConfig": ("poseidon_aio.train", "TraceConfig"),
     "run": ("poseidon_aio.net", "run"),
 }
 

@@ -84,23 +84,15 @@ def _shard(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rate(text: str) -> float:
-    """Bytes per second from ``"1gbit"``, ``"100mbit"``, ``"10gbit"`` or a number of bytes/s."""
-    units = {"gbit": 1e9 / 8, "mbit": 1e6 / 8, "kbit": 1e3 / 8}
-    for unit, scale in units.items():
-        if text.lower().endswith(unit):
-            return float(text[: -len(unit)]) * scale
-    return float(text)
-
-
 def _explain(args: argparse.Namespace) -> int:
     import json
 
-    from .sync.cost import Link, LayerShape, Scheme, best_scheme, hybcomm_choice, layer_cost, layers_of_manifest, predicted_time
+    from .plan.cost import Link, LayerShape, Scheme, best_scheme, hybcomm_choice, layer_cost, layers_of_manifest, predicted_time
+    from .units import parse_rate_bytes
 
     layers = []
     if args.model:
-        from .cluster.models import PRESETS
+        from .plan.models import PRESETS
 
         layers += layers_of_manifest(PRESETS[args.model](), rows=args.batch)
     for i, text in enumerate(args.fc or []):
@@ -117,7 +109,7 @@ def _explain(args: argparse.Namespace) -> int:
         args.bandwidth = "1gbit"  # compute seconds cannot be weighed against a bytes-only link
     try:
         candidates = tuple(Scheme(s) for s in args.schemes.split(","))
-        link = Link.of_bandwidth(_rate(args.bandwidth), args.alpha * 1e-6) if args.bandwidth else Link(args.alpha * 1e-6, 1.0)
+        link = Link.of_bandwidth(parse_rate_bytes(args.bandwidth), args.alpha * 1e-6) if args.bandwidth else Link(args.alpha * 1e-6, 1.0)
     except ValueError as exc:
         print(f"explain: {exc}", file=sys.stderr)
         return 2
@@ -174,12 +166,12 @@ def _explain(args: argparse.Namespace) -> int:
 
 def _plan_layers(args: argparse.Namespace) -> list:
     """The layers of ``--model`` / ``--fc`` as the plan sees them, with their parameters' shapes."""
-    from .sync.cost import LayerShape, layers_of_manifest
-    from .sync.plan import PlanLayer
+    from .plan.cost import LayerShape, layers_of_manifest
+    from .plan.hybcomm import PlanLayer
 
     out = []
     if args.model:
-        from .cluster.models import PRESETS
+        from .plan.models import PRESETS
 
         specs = list(PRESETS[args.model]())
         shapes: dict = {}
@@ -199,9 +191,9 @@ def _explain_compression(args: argparse.Namespace, candidates: tuple, link) -> i
     import json
 
     from .errors import ConfigError
-    from .sync.compress import CompressionConfig
-    from .sync.lossyplan import LossyPlanner, measure_compute
-    from .sync.plan import Mode, choose_schemes
+    from .plan.hybcomm import Mode, choose_schemes
+    from .plan.lossy import CompressionConfig, LossyPlanner
+    from .sync.compress import measure_compute
 
     try:
         config = CompressionConfig(args.compression, rank=args.rank, ratio=args.ratio, min_elements=args.min_elements)

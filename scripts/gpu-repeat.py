@@ -13,8 +13,8 @@ import os
 import sys
 import time
 
-from tests.cluster import run_workers
-from tests.trainworkers import run_failures, single_process, train_worker
+from tests.support.cluster import run_workers
+from tests.support.trainworkers import run_failures, single_process, train_worker
 
 SPECS = [
     {"kind": "mlp", "inputs": 40, "hidden": [96, 48], "classes": 6},

@@ -14,8 +14,8 @@ from poseidon_aio.errors import ConfigError, SyncTimeout
 from poseidon_aio.sync import AllReduceSyncer
 from poseidon_aio.sync.bucket import Bucket
 
-from .memtransport import connected_pair, run_async
-from .procs import net_config
+from .support.memtransport import connected_pair, run_async
+from .support.procs import net_config
 
 
 async def mesh(world: int, seed: int) -> list:

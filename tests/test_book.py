@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from poseidon_aio.cluster import InformationBook, Manifest, ManifestMismatch, ParamSpec
 from poseidon_aio.cluster.book import GROUP_RUNS
 from poseidon_aio.cluster.manifest import first_difference
-from poseidon_aio.cluster.models import PRESETS, resnet50, vgg19
+from poseidon_aio.plan.models import PRESETS, resnet50, vgg19
 from poseidon_aio.errors import ConfigError
 from poseidon_aio.ps import checkpoint
 

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from poseidon_aio.errors import ConnectionLost, FrameError, LocalProtocolError, PeerTimeout, RemoteProtocolError
 from poseidon_aio.wire import DType, Kind, encode_header
 
-from .conditions import until
-from .memtransport import connected_pair, run_async
-from .procs import net_config
+from .support.conditions import until
+from .support.memtransport import connected_pair, run_async
+from .support.procs import net_config
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -109,7 +109,7 @@ async def test_handshake_timeout_is_a_peer_timeout():
     from poseidon_aio.net.connection import Connection
     from poseidon_aio.net.handshake import Role
 
-    from .memtransport import MemTransport
+    from .support.memtransport import MemTransport
 
     loop = asyncio.get_running_loop()
     t = MemTransport(loop, random.Random(0), 64)

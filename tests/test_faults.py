@@ -1,8 +1,8 @@
 """Fault injection: the parameter server through a proxy that delays, drops, truncates, duplicates
-and resets (``tests/faultproxy.py``), as asyncpg tests its protocol.
+and resets (``tests/support/faultproxy.py``), as asyncpg tests its protocol.
 
 Every case of the job (three worker processes, a shard on each, server-side SGD, one worker's
-link to a remote shard proxied; ``tests/faultworkers.py``) is held to one contract:
+link to a remote shard proxied; ``tests/support/faultworkers.py``) is held to one contract:
 
 1. on every rank it ends in success or in a documented error (ConnectionLost, FrameError and the
    rest of RemoteProtocolError, PeerTimeout, SyncTimeout, WorkerLeft), within its stated bound;
@@ -36,8 +36,8 @@ from poseidon_aio.net import LocalLink, connect, listen
 from poseidon_aio.ps import KVShard, PSConfig
 from poseidon_aio.wire import HEADER_SIZE, DType, FrameDecoder, Kind, encode_frame
 
-from .faultproxy import Cut, Direction, Fault, FaultKind, FaultPlan, FaultProxy, FaultStream, Forward, Hold
-from .faultworkers import (
+from .support.faultproxy import Cut, Direction, Fault, FaultKind, FaultPlan, FaultProxy, FaultStream, Forward, Hold
+from .support.faultworkers import (
     CHUNK_BYTES,
     CLOCKS,
     RENDEZVOUS_TIMEOUT,
@@ -46,8 +46,8 @@ from .faultworkers import (
     Case,
     CasePool,
 )
-from .procs import net_config
-from .psworkers import manifest_of
+from .support.procs import net_config
+from .support.psworkers import manifest_of
 
 UP, DOWN = Direction.UP, Direction.DOWN
 DELAY, DROP, TRUNCATE, DUPLICATE, RESET = (

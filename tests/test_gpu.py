@@ -13,8 +13,8 @@ import torch
 
 from poseidon_aio import kernels
 
-from .cluster import run_workers
-from .trainworkers import run_failures, single_process, train_worker
+from .support.cluster import run_workers
+from .support.trainworkers import run_failures, single_process, train_worker
 
 pytestmark = [
     pytest.mark.slow,

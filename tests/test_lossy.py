@@ -17,24 +17,21 @@ from hypothesis import strategies as st
 
 from poseidon_aio.errors import CheckpointError, ConfigError, RemoteProtocolError, SyncTimeout
 from poseidon_aio.net import LocalLink
-from poseidon_aio.sync import (
-    Bucket,
+from poseidon_aio.plan import (
     CompressionConfig,
     ComputeCosts,
-    Feedback,
     LayerShape,
     Link,
     LossyPlanner,
     Mode,
     PlanLayer,
     Scheme,
-    SyncContext,
     choose_schemes,
-    syncer_class,
 )
-from poseidon_aio.sync.compress import PowerSGDStep, TopKStep, orthonormalize, rank_order_mean, topk_count
+from poseidon_aio.plan.lossy import lossy_time, topk_count, unsuited
+from poseidon_aio.sync import Bucket, Feedback, SyncContext, syncer_class
+from poseidon_aio.sync.compress import PowerSGDStep, TopKStep, orthonormalize, rank_order_mean
 from poseidon_aio.sync.exchange import frame_key
-from poseidon_aio.sync.lossyplan import lossy_time, unsuited
 from poseidon_aio.wire import DType, Kind
 
 EPS = float(np.finfo(np.float32).eps)
@@ -269,7 +266,7 @@ def test_topk_merged_layers_give_each_layer_its_own_bits_and_state(layers, world
     """An MG-WFBP group of top-k layers (one all-gather, the payloads back to back) yields every
     layer's result and error-feedback state bit for bit as its own sync would: each layer is
     selected on its own, with its own k and error."""
-    from .memtransport import run_async
+    from .support.memtransport import run_async
 
     names = [f"l{i}" for i in range(len(layers))]
     config = CompressionConfig("topk", ratio=ratio)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from poseidon_aio.sync import CompressionConfig, Link
+from poseidon_aio.plan import CompressionConfig, Link
 
-from .cluster import run_workers
-from .trainworkers import single_process, train_worker
+from .support.cluster import run_workers
+from .support.trainworkers import single_process, train_worker
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def _config(method: str) -> CompressionConfig:
 
 
 def test_every_method_keeps_replicas_identical_repeats_bit_for_bit_and_fp16_tracks_one_process():
-    from .lossyworkers import max_gradient
+    from .support.lossyworkers import max_gradient
 
     spec = {"kind": "cnn", "channels": 4, "side": 8, "hidden": [32], "classes": 3}
     workers, seed, steps, size = 3, 11, 3, 4
@@ -74,8 +74,8 @@ def test_every_method_keeps_replicas_identical_repeats_bit_for_bit_and_fp16_trac
 
 @pytest.mark.timeout(400)
 def test_a_killed_compressed_run_resumes_with_its_error_feedback_bitwise_equal(tmp_path):
-    from .cluster import collect, start_workers
-    from .lossyworkers import lossy_checkpoint_worker
+    from .support.cluster import collect, start_workers
+    from .support.lossyworkers import lossy_checkpoint_worker
 
     steps, seed = 6, 4
     clean = run_workers(2, lossy_checkpoint_worker, [("clean", str(tmp_path / "clean"), None)], seed, steps, timeout=180)

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from poseidon_aio.errors import ConfigError
-from poseidon_aio.sync import MergeConfig
-from poseidon_aio.sync.cost import Scheme
-from poseidon_aio.sync.mgwfbp import CommModel, bucket_plan, fit, groups_of, iteration_time, merge_plan, optimal_plan, tapered_plan, timeline, with_launches
+from poseidon_aio.plan import MergeConfig
+from poseidon_aio.plan.cost import Scheme
+from poseidon_aio.plan.mgwfbp import CommModel, bucket_plan, fit, groups_of, iteration_time, merge_plan, optimal_plan, tapered_plan, timeline, with_launches
 
 
 def test_case_1_communication_hidden_nothing_merged():
@@ -44,7 +44,7 @@ def test_case_3_start_up_dominates_merging_shortens_the_iteration():
 def _brute_force(t_f, t_b, sizes, model):
     L = len(t_b)
     return min(
-        iteration_time(t_f, t_b, sizes, model, groups_of(L, {l for l, m in zip(range(2, L + 1), bits) if m}))
+        iteration_time(t_f, t_b, sizes, model, groups_of(L, {layer for layer, m in zip(range(2, L + 1), bits) if m}))
         for bits in itertools.product([0, 1], repeat=L - 1)
     )
 
@@ -88,12 +88,12 @@ def test_each_merge_met_the_theorem_1_condition_when_made():
     plan = merge_plan(0.5e-3, t_b, sizes, model)
     t_c = [model.time(s) for s in sizes]
     p = list(sizes)
-    for l in sorted(plan.merged, reverse=True):
+    for layer in sorted(plan.merged, reverse=True):
         tau_b, tau_c, _ = timeline(0.5e-3, t_b, t_c)
-        assert tau_b[l - 2] - tau_c[l] < model.a
-        p[l - 2] += p[l - 1]
-        p[l - 1] = 0
-        t_c[l - 1], t_c[l - 2] = 0.0, model.time(p[l - 2])
+        assert tau_b[layer - 2] - tau_c[layer] < model.a
+        p[layer - 2] += p[layer - 1]
+        p[layer - 1] = 0
+        t_c[layer - 1], t_c[layer - 2] = 0.0, model.time(p[layer - 2])
 
 
 def test_fit_recovers_alpha_and_beta():
@@ -147,13 +147,13 @@ def test_serial_cost_merges_what_the_paper_keeps_apart():
 
 
 def test_runtime_takes_the_serial_cost_out_of_the_measured_backward_and_plans_with_it():
-    from poseidon_aio.sync.runtime import MergeConfig, MergeRuntime
+    from poseidon_aio.plan.merging import MergeConfig, MergePlanner
 
     calibration = [(s, 2 * (1e-4 + 1e-8 * s)) for s in (4096, 65536, 1 << 20)]
     layers, sizes = list(range(8)), [3e4] * 8
 
     def plan(serial):
-        runtime = MergeRuntime(MergeConfig(kind="algorithm1"), rank=0, world=4, shards=4, scheme=Scheme.ALLREDUCE, calibration=calibration)
+        runtime = MergePlanner(MergeConfig(kind="algorithm1"), world=4, shards=4, scheme=Scheme.ALLREDUCE, calibration=calibration)
         for _ in range(3):
             # The warm-up: each layer's gradient 10 ms after the one above (its own message's
             # serial cost included), ~0.2 ms of loop CPU a message.
@@ -168,12 +168,12 @@ def test_runtime_takes_the_serial_cost_out_of_the_measured_backward_and_plans_wi
 
 
 def test_a_lossy_message_s_start_up_spread_and_size_for_mg_wfbp():
-    from poseidon_aio.sync import CompressionConfig
-    from poseidon_aio.sync.lossyplan import message_bytes
-    from poseidon_aio.sync.runtime import MergeConfig, MergeRuntime
+    from poseidon_aio.plan import CompressionConfig
+    from poseidon_aio.plan.lossy import message_bytes
+    from poseidon_aio.plan.merging import MergeConfig, MergePlanner
 
     calibration = [(s, 2 * (1e-4 + 1e-8 * s)) for s in (4096, 65536, 1 << 20)]
-    models = {s: MergeRuntime(MergeConfig(kind="algorithm1"), 0, 4, 4, s, calibration).comm_model() for s in (Scheme.ALLREDUCE, Scheme.POWERSGD, Scheme.TOPK)}
+    models = {s: MergePlanner(MergeConfig(kind="algorithm1"), 4, 4, s, calibration).comm_model() for s in (Scheme.ALLREDUCE, Scheme.POWERSGD, Scheme.TOPK)}
     # P, then Q from it: two rounds a message; the bytes cross the link alike
     assert models[Scheme.POWERSGD].a == pytest.approx(2 * models[Scheme.ALLREDUCE].a) and models[Scheme.POWERSGD].b == models[Scheme.ALLREDUCE].b
     # a 512 x 4608 convolution at rank 4: 4 x (512 + 4608) floats, not 512 x 4608
@@ -187,7 +187,7 @@ def test_a_lossy_message_s_start_up_spread_and_size_for_mg_wfbp():
 
 
 def test_a_merge_plan_is_kept_only_if_the_slowest_ranks_step_got_faster():
-    from poseidon_aio.sync.runtime import judge_trial
+    from poseidon_aio.sync.trial import judge_trial
 
     # Each phase's first step is left out; a step counts at its slowest rank.
     warm = {0: [9.0, 0.040, 0.050], 1: [9.0, 0.045, 0.041]}  # steps 0.045, 0.050: median 0.0475
@@ -211,7 +211,7 @@ def test_a_merge_plan_is_kept_only_if_the_slowest_ranks_step_got_faster():
 )
 @settings(max_examples=200, deadline=None)
 def test_every_rank_reaches_the_same_verdict_and_it_is_the_fastest_plan_if_any_beat_the_warm_up(warm_rows, trial_rows):
-    from poseidon_aio.sync.runtime import judge_trial
+    from poseidon_aio.sync.trial import judge_trial
 
     ranks = min(len(warm_rows), *(len(t) for t in trial_rows))
     warm = {r: warm_rows[r] for r in range(ranks)}
@@ -230,13 +230,13 @@ def test_every_rank_reaches_the_same_verdict_and_it_is_the_fastest_plan_if_any_b
 
 
 def test_best_plans_with_both_planners_and_one_message_and_lists_each_distinct_plan_once():
-    from poseidon_aio.sync.runtime import MergeConfig, MergeRuntime
+    from poseidon_aio.plan.merging import MergeConfig, MergePlanner
 
     calibration = [(s, 2 * (1e-4 + 1e-8 * s)) for s in (4096, 65536, 1 << 20)]
     layers = list(range(12))
 
     def plans(kind, sizes, serial):
-        runtime = MergeRuntime(MergeConfig(kind=kind), rank=0, world=4, shards=4, scheme=Scheme.ALLREDUCE, calibration=calibration)
+        runtime = MergePlanner(MergeConfig(kind=kind), world=4, shards=4, scheme=Scheme.ALLREDUCE, calibration=calibration)
         for _ in range(3):
             ready = {layer: 0.1 + 0.004 * (12 - layer) for layer in layers}
             runtime.record(0.05, 0.1, ready, layers, [], 0, 1e-3, serial)
@@ -261,7 +261,7 @@ def test_bucket_plan_fills_ddp_s_buckets_from_the_output_by_hand():
     plan = bucket_plan(0.0, [1e-3] * 5, sizes, model)
     assert plan.groups == ((1,), (2, 3), (4, 5))
     assert plan.t_iter == iteration_time(0.0, [1e-3] * 5, sizes, model, plan.groups)
-    assert bucket_plan(0.0, [1e-3] * 5, sizes, model, first_bytes=1, bucket_bytes=1).groups == tuple((l,) for l in range(1, 6))
+    assert bucket_plan(0.0, [1e-3] * 5, sizes, model, first_bytes=1, bucket_bytes=1).groups == tuple((layer,) for layer in range(1, 6))
     assert bucket_plan(0.0, [1e-3] * 5, sizes, model, first_bytes=1e9, bucket_bytes=1e9).groups == ((1, 2, 3, 4, 5),)
     with pytest.raises(ConfigError, match="positive"):
         bucket_plan(0.0, [1e-3], [1.0], model, bucket_bytes=0)
@@ -271,10 +271,10 @@ def test_bucket_plan_fills_ddp_s_buckets_from_the_output_by_hand():
 @given(sizes=st.lists(st.integers(1, 1 << 22), min_size=1, max_size=40), first=st.integers(1, 1 << 21), then=st.integers(1, 1 << 23))
 def test_bucket_plan_partitions_the_layers_and_every_bucket_but_the_input_side_one_reaches_its_cap(sizes, first, then):
     groups = bucket_plan(0.0, [1e-4] * len(sizes), sizes, CommModel(1e-4, 1e-9), first_bytes=first, bucket_bytes=then).groups
-    assert [l for g in groups for l in g] == list(range(1, len(sizes) + 1))
+    assert [layer for g in groups for layer in g] == list(range(1, len(sizes) + 1))
     assert all(list(g) == list(range(g[0], g[-1] + 1)) for g in groups)
     for k, g in enumerate(reversed(groups)):  # from the output, as DDP fills them
-        total = sum(sizes[l - 1] for l in g)
+        total = sum(sizes[layer - 1] for layer in g)
         cap = first if k == 0 else then
         if k < len(groups) - 1:
             assert total >= cap and total - sizes[min(g) - 1] < cap  # its last layer closed it
@@ -305,13 +305,13 @@ def test_tapered_plan_is_ddp_s_buckets_with_at_most_the_first_bucket_s_bytes_aft
     t_b, model = [1e-4] * len(sizes), CommModel(1e-4, 1e-9)
     ddp = bucket_plan(0.0, t_b, sizes, model, first_bytes=first, bucket_bytes=then).groups
     groups = tapered_plan(0.0, t_b, sizes, model, first_bytes=first, bucket_bytes=then).groups
-    assert [l for g in groups for l in g] == list(range(1, len(sizes) + 1))
+    assert [layer for g in groups for layer in g] == list(range(1, len(sizes) + 1))
     assert groups[-len(ddp) + 1:] == ddp[1:] or len(ddp) == 1  # every bucket but the input side's as DDP's
-    tail = sum(sizes[l - 1] for l in groups[0])
+    tail = sum(sizes[layer - 1] for layer in groups[0])
     assert len(groups[0]) == 1 or tail <= first  # what waits for the end of the backward
     assert len(groups) - len(ddp) in (0, 1)
     if len(groups) == len(ddp):  # not cut: already small enough
-        assert groups == ddp and (len(ddp[0]) == 1 or sum(sizes[l - 1] for l in ddp[0]) <= first)
+        assert groups == ddp and (len(ddp[0]) == 1 or sum(sizes[layer - 1] for layer in ddp[0]) <= first)
 
 
 def test_merge_config_rejects_bad_bucket_sizes():

@@ -25,7 +25,7 @@ def test_no_extensions_switch_selects_the_python_twin():
     assert _python("import poseidon_aio.wire as w; print(w.CODEC)", POSEIDON_NO_EXTENSIONS="1") == "python"
 
 
-@pytest.mark.parametrize("module", ["poseidon_aio.wire", "poseidon_aio.errors"])
+@pytest.mark.parametrize("module", ["poseidon_aio.wire", "poseidon_aio.errors", "poseidon_aio.units"])
 def test_sans_io_layers_import_no_asyncio_socket_or_torch(module):
     loaded = _python(
         f"import sys, {module}; print(sorted(m for m in ('asyncio', 'socket', 'torch') if m in sys.modules))"
@@ -38,6 +38,19 @@ def test_layers_below_the_trainer_import_no_torch(module):
     # The rendezvous imports torch's TCPStore only when it opens one; the kernels are the
     # trainer's to pass in.
     assert _python(f"import sys, {module}; print('torch' in sys.modules)") == "False", f"{module} imports torch"
+
+
+def test_the_plan_and_every_module_in_it_import_neither_torch_nor_asyncio():
+    # The cost model, the planners, the traces and the simulator are analysis apart from runtime:
+    # numbers in, decisions out, runnable without an event loop or a tensor library. The layers
+    # that carry the decisions out sit above it.
+    above = ("asyncio", "torch", "poseidon_aio.sync", "poseidon_aio.net", "poseidon_aio.ps", "poseidon_aio.train")
+    loaded = _python(
+        "import sys, pkgutil, importlib, poseidon_aio.plan as plan\n"
+        "for info in pkgutil.walk_packages(plan.__path__, 'poseidon_aio.plan.'): importlib.import_module(info.name)\n"
+        f"print(sorted(m for m in {above!r} if m in sys.modules))"
+    )
+    assert loaded == "[]", f"poseidon_aio.plan pulled in {loaded}"
 
 
 def test_every_exception_the_library_defines_is_a_poseidon_error():
@@ -67,3 +80,16 @@ def test_the_gpu_tests_collect_where_pytest_asyncio_is_not_installed():
         capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_the_package_exports_every_config_the_trainer_takes():
+    import inspect
+    import re
+
+    import poseidon_aio
+    from poseidon_aio.train.trainer import Trainer
+
+    annotations = " ".join(str(p.annotation) for p in inspect.signature(Trainer).parameters.values())
+    configs = set(re.findall(r"\b\w+Config\b", annotations))
+    assert {"PSConfig", "NetConfig", "MergeConfig", "AllReduceConfig", "OptimizerConfig", "StartupConfig", "TraceConfig"} <= configs
+    assert [name for name in sorted(configs) if not hasattr(poseidon_aio, name)] == []

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from poseidon_aio.ps import PSConfig, ServerSGD, StragglerPolicy
 
-from .cluster import collect, run_workers, start_workers
-from .psworkers import (
+from .support.cluster import collect, run_workers, start_workers
+from .support.psworkers import (
     aggregate_worker,
     grad,
     leaving_worker,
@@ -137,8 +137,8 @@ def test_a_stalled_sync_times_out_with_the_shards_report():
 
 
 def test_standalone_shard_processes_serve_the_workers():
-    from .cluster import free_port
-    from .psworkers import shard_process
+    from .support.cluster import free_port
+    from .support.psworkers import shard_process
 
     port = free_port()
     config = PSConfig(shards=2, standalone_shards=True, chunk_bytes=64 * 1024)
@@ -151,7 +151,7 @@ def test_standalone_shard_processes_serve_the_workers():
         assert all(agg.tobytes() == res[r][0][(clock, i)].tobytes() for r in (1, 2))
     from poseidon_aio.cluster import InformationBook
 
-    from .psworkers import manifest_of
+    from .support.psworkers import manifest_of
 
     book = InformationBook(manifest_of(SHAPES), workers=3, shards=2, chunk_bytes=64 * 1024)
     assert sum(s["finalized"] for s in stats.values()) == 2 * len(book.messages)  # 2 clocks, every message

@@ -26,8 +26,8 @@ import torch.distributed  # noqa: F401 - as in a trainer; the rendezvous deadlin
 from poseidon_aio.cluster import ClusterEnv, Rendezvous
 from poseidon_aio.errors import ConfigError, PeerTimeout, StartupAborted, StoreUnavailable
 
-from .cluster import collect, free_port, start_workers
-from .rdzvworkers import mesh_worker, stuck_exit_script
+from .support.cluster import collect, free_port, start_workers
+from .support.rdzvworkers import mesh_worker, stuck_exit_script
 
 TIMEOUT = 2.0
 MARGIN = 5.0

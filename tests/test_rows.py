@@ -15,9 +15,10 @@ from torch import nn
 
 from poseidon_aio.errors import ConfigError, RemoteProtocolError, SyncTimeout
 from poseidon_aio.net import LocalLink
-from poseidon_aio.sync import Bucket, LayerShape, Link, Mode, PlanLayer, Scheme, SyncContext, choose_schemes, hybcomm_choice, syncer_class
+from poseidon_aio.plan import LayerShape, Link, Mode, PlanLayer, Scheme, choose_schemes, hybcomm_choice
+from poseidon_aio.plan.cost import PAPER_SCHEMES, layer_cost, predicted_time
+from poseidon_aio.sync import Bucket, SyncContext, syncer_class
 from poseidon_aio.sync.compress import rank_order_mean
-from poseidon_aio.sync.cost import PAPER_SCHEMES, layer_cost, predicted_time
 from poseidon_aio.sync.exchange import frame_key
 from poseidon_aio.train.layers import discover
 from poseidon_aio.wire import DType, Kind
@@ -41,7 +42,7 @@ def _grad(rng, vocab: int, width: int, tokens: int) -> np.ndarray:
 @settings(max_examples=30, deadline=None)
 @given(world=st.integers(2, 4), vocab=st.integers(1, 30), width=st.integers(1, 5), tokens=st.integers(0, 12), seed=st.integers(0, 10_000))
 def test_every_rank_gets_the_same_bits_equal_to_the_dense_rank_order_mean(world, vocab, width, tokens, seed):
-    from .memtransport import run_async
+    from .support.memtransport import run_async
 
     rng = np.random.default_rng(seed)
     grads = [_grad(rng, vocab, width, tokens if r else tokens // 2) for r in range(world)]  # rank 0 may touch none

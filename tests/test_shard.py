@@ -14,8 +14,8 @@ from poseidon_aio.errors import ConnectionLost
 from poseidon_aio.ps import KVShard, PSConfig, StragglerPolicy, reduce_mean
 from poseidon_aio.wire import DType, Kind
 
-from .memtransport import connected_pair, run_async
-from .procs import net_config
+from .support.memtransport import connected_pair, run_async
+from .support.procs import net_config
 
 
 async def shard_with_workers(workers: int, book: InformationBook, config: PSConfig, seed: int = 0):

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poseidon_aio.train.trainer import _PER_PARAMETER_OPTIMIZERS, step_some
+from poseidon_aio.train.apply import PER_PARAMETER_OPTIMIZERS, step_some
 
 SETTINGS = {
     torch.optim.SGD: [{"lr": 0.1}, {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-2}, {"lr": 0.1, "momentum": 0.9, "nesterov": True}],
@@ -24,7 +24,7 @@ SETTINGS = {
 
 
 def test_every_per_parameter_optimizer_has_settings_here():
-    assert set(SETTINGS) == set(_PER_PARAMETER_OPTIMIZERS)
+    assert set(SETTINGS) == set(PER_PARAMETER_OPTIMIZERS)
 
 
 @settings(max_examples=60, deadline=None)

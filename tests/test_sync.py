@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from poseidon_aio import kernels
 from poseidon_aio.errors import ConfigError, RemoteProtocolError
-from poseidon_aio.sync import PAPER_SCHEMES, Bucket, LayerShape, Merging, Mode, PlanLayer, Scheme, SyncResult, choose_schemes
+from poseidon_aio.plan import PAPER_SCHEMES, LayerShape, Mode, PlanLayer, Scheme, choose_schemes
+from poseidon_aio.sync import Bucket, Merging, SyncResult
 from poseidon_aio.wire import factors
 from poseidon_aio.train.staging import Staging
 from poseidon_aio.wire import DType, Frame, Header, Kind
@@ -153,7 +154,7 @@ def test_the_torch_kernel_takes_received_host_arrays():
 
 
 def test_hybcomm_weighs_time_on_the_measured_link_and_ties_go_to_the_paper():
-    from poseidon_aio.sync import Link, hybcomm_choice
+    from poseidon_aio.plan import Link, hybcomm_choice
 
     fc = LayerShape("fc7", "fc", 4096, 4096, rows=32, bias=True)
     conv = LayerShape("conv", "conv", 3 * 3 * 64 * 64, 1)  # 147 KiB: one shard holds it all
@@ -167,3 +168,17 @@ def test_hybcomm_weighs_time_on_the_measured_link_and_ties_go_to_the_paper():
     head = LayerShape("head", "fc", 10, 96, rows=32, bias=True)
     assert hybcomm_choice(head, 4, 4, link=Link(alpha=0.0, beta=1.0)) in (Scheme.PS, Scheme.ALLREDUCE)
     assert hybcomm_choice(head, 4, 4, link=Link(alpha=1e-3, beta=1e-9)) is Scheme.SFB
+
+
+def test_every_syncer_takes_what_the_planners_know_of_its_scheme():
+    # captures_factors, mergeable and rounds are the plan's vocabulary (plan.cost); each syncer
+    # class reads them off its Scheme, so the planners and the runtime cannot disagree.
+    from poseidon_aio.sync import syncer_class
+
+    for scheme in Scheme:
+        cls = syncer_class(scheme)
+        planned = (scheme.captures_factors, scheme.mergeable, scheme.rounds)
+        assert (cls.captures_factors, cls.mergeable, cls.rounds) == planned, scheme
+    assert {s for s in Scheme if s.captures_factors} == {Scheme.SFB, Scheme.ADAM}
+    assert {s for s in Scheme if s.mergeable} == {Scheme.PS, Scheme.ALLREDUCE, Scheme.POWERSGD, Scheme.TOPK}
+    assert {s: s.rounds for s in Scheme if s.rounds != 1} == {Scheme.POWERSGD: 2}

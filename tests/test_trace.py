@@ -2,7 +2,7 @@
 
 import time
 
-from poseidon_aio.sync.cost import Scheme
+from poseidon_aio.plan.cost import Scheme
 from poseidon_aio.train.trace import Span, TraceConfig, Tracer
 
 

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from poseidon_aio.sync.cost import LayerShape, Scheme, layer_cost
+from poseidon_aio.plan.cost import LayerShape, Scheme, layer_cost
 
-from .cluster import run_workers
-from .trainworkers import build_model, single_process, train_worker
+from .support.cluster import run_workers
+from .support.trainworkers import build_model, single_process, train_worker
 
 pytestmark = pytest.mark.slow
 
@@ -23,11 +23,11 @@ RUNS = [
     ("adam", "poseidon", "adam-first-linear"),
     ("allreduce", "poseidon", "every-allreduce"),  # all-reduce alone, merged by MG-WFBP (auto: these are direct)
     # round a ring, in chunks of 16 floats (the tiniest buckets still direct), and all direct
-    ("ring", "poseidon", "every-allreduce", None, {"ps": {"chunk_bytes": 64, "allreduce": "ring"}}),
-    ("direct", "poseidon", "every-allreduce", None, {"ps": {"allreduce": "direct"}}),
+    ("ring", "poseidon", "every-allreduce", None, {"ps": {"chunk_bytes": 64}, "allreduce": "ring"}),
+    ("direct", "poseidon", "every-allreduce", None, {"allreduce": "direct"}),
     ("mixed", "poseidon", "mixed"),  # SFB, all-reduce and PS side by side
-    # the optimizer stepping each sync's parameters as it lands (PSConfig.early_step_bytes)
-    ("early", "poseidon", "mixed", None, {"ps": {"early_step_bytes": 1}}),
+    # the optimizer stepping each sync's parameters as it lands (OptimizerConfig.early_step_bytes)
+    ("early", "poseidon", "mixed", None, {"early_step_bytes": 1}),
 ]
 
 specs = st.one_of(
@@ -134,7 +134,7 @@ def test_hybcomm_uses_sfb_where_it_is_cheaper_and_bytes_match_the_cost_model():
     "mode,staleness,merge,early", [("poseidon", 0, None, False), ("wfbp", 1, None, False), ("poseidon", 0, "single", False), ("poseidon", 0, None, True), ("wfbp", 0, None, True)]
 )
 def test_frozen_tied_unused_params_any_optimizer_and_scheduler(mode, staleness, merge, early):
-    from .trainworkers import tricky_single, tricky_worker
+    from .support.trainworkers import tricky_single, tricky_worker
 
     workers, steps, size, seed = 2, 3, 4, 3
     res = run_workers(workers, tricky_worker, seed, steps, size, staleness, mode, merge, early, timeout=120)
@@ -188,7 +188,7 @@ def test_bytes_of_syncs_that_outlive_their_step_are_counted():
 
 
 def test_layer_syncs_overlap_the_backward_in_wfbp_and_not_in_naive(tmp_path):
-    from .trainworkers import overlap_worker
+    from .support.trainworkers import overlap_worker
 
     wfbp = run_workers(2, overlap_worker, "wfbp", str(tmp_path / "wfbp.json"), timeout=120)
     naive = run_workers(2, overlap_worker, "naive", str(tmp_path / "naive.json"), timeout=120)
@@ -280,7 +280,7 @@ def json_groups(groups) -> str:
 
 
 def test_the_bandwidth_budget_paces_every_step():
-    from .trainworkers import budget_worker
+    from .support.trainworkers import budget_worker
 
     budget = 1e6  # bytes/s for all of a process's outbound data
     res = run_workers(2, budget_worker, budget, timeout=120)
@@ -302,7 +302,7 @@ def test_merging_around_a_factored_layer():
 
 
 def test_an_fc_layer_unused_on_a_rank_and_dict_batches_match_one_process():
-    from .trainworkers import branchy_single, branchy_worker
+    from .support.trainworkers import branchy_single, branchy_worker
 
     workers, seed, size = 2, 6, 4
     res = run_workers(workers, branchy_worker, seed, size, timeout=120)
@@ -314,7 +314,7 @@ def test_an_fc_layer_unused_on_a_rank_and_dict_batches_match_one_process():
 
 
 def test_batchnorm_statistics_are_the_same_on_every_rank_after_training():
-    from .trainworkers import bn_worker
+    from .support.trainworkers import bn_worker
 
     res = run_workers(3, bn_worker, 2, 4, timeout=120)
     assert "1.running_mean" in res[0] and int(res[0]["1.num_batches_tracked"]) == 4
@@ -325,7 +325,7 @@ def test_batchnorm_statistics_are_the_same_on_every_rank_after_training():
 
 @pytest.mark.parametrize("mode", ["wfbp", "poseidon"])
 def test_server_side_sgd_through_the_trainer_equals_one_process(mode):
-    from .trainworkers import server_sgd_worker
+    from .support.trainworkers import server_sgd_worker
 
     spec = {"kind": "mlp", "inputs": 24, "hidden": [32], "classes": 4}
     workers, seed, steps, size = 2, 9, 3, 4
@@ -340,8 +340,8 @@ def test_server_side_sgd_through_the_trainer_equals_one_process(mode):
 
 @pytest.mark.timeout(400)
 def test_a_killed_run_resumes_from_its_checkpoint_bitwise_equal_to_an_uninterrupted_one(tmp_path):
-    from .cluster import collect, start_workers
-    from .trainworkers import checkpoint_worker
+    from .support.cluster import collect, start_workers
+    from .support.trainworkers import checkpoint_worker
 
     steps, seed = 6, 4
     variants = ["worker", "server"]

@@ -2,7 +2,7 @@
 
 Every test runs on both asyncio's loop and uvloop (conftest); every wait on the other process is
 bounded by ``asyncio.timeout``, and every wait for the listener to record something waits on that
-state (``Listener.wait_refused``, :func:`~tests.conditions.until`), never for a fixed time.
+state (``Listener.wait_refused``, :func:`~tests.support.conditions.until`), never for a fixed time.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from poseidon_aio.net import Connection, connect, listen
 from poseidon_aio.net.handshake import Handshake, Role
 from poseidon_aio.wire import DType, FrameDecoder, Kind, encode_frame, encode_header
 
-from .conditions import until
-from .procs import TOKEN, child, connector, echo_server, net_config, report, slow_reader
+from .support.conditions import until
+from .support.procs import TOKEN, child, connector, echo_server, net_config, report, slow_reader
 
 pytestmark = pytest.mark.slow
 

@@ -37,15 +37,15 @@ DEFAULT_CHUNK_BYTES = 2 << 20
 # The most a shard may hold over the mean before a key-value pair is split to even it out.
 BALANCE = 1.05
 # The least bytes of a merge group a shard gets when the group is spread over the shards, where
-# no link says more (spread_bytes_for): a message costs the event loop ~0.1-0.25 ms, the time of
-# 12-31 KB at 1 Gbit; under a run of this, its start-up is not paid back by its bytes.
+# no link says more (spread_bytes_for): under a run of this, the event loop's work for one more
+# message costs more than the run's bytes take on a 1 Gbit link.
 SPREAD_MIN_BYTES = 64 << 10
 # A merge group of several workers goes in at least this many runs, as many on every shard (fewer
 # only where a run would be under ``spread_bytes``); over more shards, in one run a shard. A shard
 # replies to a run once every worker's push of it is in and summed. In one run a shard, the last
 # worker to push waits for the sum of its whole run before its reply starts, and so it is the last
-# to start the next step too (2 workers, 1 Gbit, the transformer of bench train: 1.3 MB a shard,
-# ~0.6 ms of summing a step in the way). In runs of a quarter, the sums follow the pushes.
+# to start the next step too (bench/RESULTS.md, "Merge groups in runs the shards can sum as they
+# come; ..."). In runs of a quarter, the sums follow the pushes.
 GROUP_RUNS = 4
 
 
@@ -58,9 +58,9 @@ def spread_bytes_for(alpha: float, beta: float, shards: int) -> int:
     one, and what it saves is at most the group's bytes' time (the push and the reply no longer
     one after the other). A run of ``shards x alpha / beta`` bytes or more keeps the added
     start-ups under ``1 / shards`` of that. Where workers are many, a group stays on one shard
-    and the groups share the shards out among them (the simulator, ResNet-152 at 1024 workers,
-    10 GbE, 45 us a message: 99.5 ms an iteration with Algorithm 1's groups each on one shard,
-    480 with each spread over every shard in runs of 64 KiB).
+    and the groups share the shards out among them: spread over a thousand shards in small runs,
+    a group's start-ups cost more than its bytes (bench/RESULTS.md, "Merge groups spread over the
+    shards; issue 11's rows on another VM").
 
     >>> spread_bytes_for(150e-6, 8e-9, 2), spread_bytes_for(45e-6, 0.8e-9, 1024)
     (65536, 57600000)
@@ -225,9 +225,8 @@ class InformationBook:
         merged message on one shard is pushed whole over one link and then replied whole over
         the other direction, one after the other; spread, every worker's pushes and every
         shard's replies use all links both ways at once, and its bytes cross the busiest link
-        (P1 + P2 - 2) / P2 times each way, as Table 1 and the merge planner count them (2
-        workers, 100 Mbit, a ResNet-20 in one message: 81 ms a step on one shard, 59 spread,
-        against a 56 ms bound).
+        (P1 + P2 - 2) / P2 times each way, as Table 1 and the merge planner count them
+        (bench/RESULTS.md, "Merge groups spread over the shards; issue 11's rows on another VM").
         """
         load = [0] * self.shards
         placed = []

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 from ..errors import ConfigError, ManifestMismatch, UnknownParameter
+from ..wire import DTYPE_BY_NAME, ITEMSIZE
 
 # dtypes the parameter server can aggregate (NumPy arithmetic; bfloat16 has no NumPy type).
-ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2}
+AGGREGATED_DTYPES = ("float32", "float64", "float16")
 
 
 @dataclass(frozen=True)
@@ -28,10 +29,10 @@ class ParamSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        if self.dtype not in ITEMSIZE:
+        if self.dtype not in AGGREGATED_DTYPES:
             raise ConfigError(
                 f"parameter {self.name!r} has dtype {self.dtype}; the parameter server aggregates "
-                f"{', '.join(ITEMSIZE)}: cast the model or keep this parameter out of sync"
+                f"{', '.join(AGGREGATED_DTYPES)}: cast the model or keep this parameter out of sync"
             )
         if any(d < 0 for d in self.shape):
             raise ConfigError(f"parameter {self.name!r} has a negative dimension: {self.shape}")
@@ -42,7 +43,7 @@ class ParamSpec:
 
     @property
     def itemsize(self) -> int:
-        return ITEMSIZE[self.dtype]
+        return ITEMSIZE[DTYPE_BY_NAME[self.dtype]]
 
     @property
     def nbytes(self) -> int:

@@ -6,8 +6,8 @@ reads everyone else's. A manifest that differs fails every rank at once, naming 
 differing parameter and the ranks.
 
 Every wait ends when it says. ``TCPStore`` calls block in C++ and do not reliably honour their own
-timeout (a listener that accepts and never answers held a client's constructor for over 150 s with
-a 60 s timeout), so each one runs in a daemon thread under our own deadline: the event loop keeps
+timeout (a listener that accepts and never answers holds a client's constructor far past it), so
+each one runs in a daemon thread under our own deadline: the event loop keeps
 serving meanwhile, and a call stuck for good is abandoned without holding up interpreter exit.
 Before dialling the store a plain TCP connect tells "nothing listening" (refused: retried until
 the deadline, the master may start late) from "something accepts" (then it must answer like a
@@ -43,7 +43,7 @@ ABORT_KEY = "abort"
 # the abort key at the same time, and each one that times out prints two C++ warning lines. The
 # first poll comes after 5 ms, the pause doubles up to 250 ms: a key that is already there costs
 # one round trip, a late key or an abort is seen within 0.25 s, and a rank waiting 60 s makes
-# about 250 polls of ~0.1 ms each.
+# about 250 polls, each one round trip to the store.
 _POLL_FIRST = 0.005
 _POLL_MAX = 0.25
 # One poll that the store has not answered after this long means the store is stuck, not that
@@ -59,6 +59,23 @@ _STORE_RETRY_PAUSE = 1.0
 _ABORT_TIMEOUT = 2.0
 # An abort reason is one line for a person to read, not a traceback.
 _REASON_MAX = 500
+
+
+
+@dataclass
+class StartupConfig:
+    """How long start-up waits for the other ranks.
+
+    Args:
+        timeout: seconds for every rank to show up at the rendezvous, the manifest check and the
+            worker mesh; past it the ranks still missing are named.
+    """
+
+    timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.timeout <= 0:
+            raise ConfigError(f"StartupConfig.timeout must be > 0 seconds, got {self.timeout}")
 
 
 @dataclass(frozen=True)

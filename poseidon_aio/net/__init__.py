@@ -4,9 +4,11 @@ Everything that imports asyncio or socket lives here and above; ``wire`` stays s
 """
 
 from .config import NetConfig, TLSConfig
-from .connection import Connection, ConnectionStats, Listener, connect, listen
+from .connection import Connection, ConnectionStats
+from .dial import connect
 from .endpoint import Endpoint
 from .handshake import PROTOCOL_VERSION, Role
+from .listener import Listener, listen
 from .local import LocalLink
 from .loop import LOOP, new_event_loop, run
 from .shaper import Shaper, ShaperConfig, TokenBucket

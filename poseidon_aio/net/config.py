@@ -80,6 +80,9 @@ class NetConfig:
             ``Listener.turned_away``. Each pending one is dropped after ``handshake_timeout``,
             so silent or slow peers hold at most this many slots, and memory, at a time.
         shaper: per-connection bandwidth caps.
+        bandwidth: one budget for all of this process's connections together (outbound and
+            inbound bytes/s, a per-message start-up), shared by the worker mesh and the
+            parameter server's links; ``None``: no process-wide cap.
         tls: TLS settings, or ``None`` for plain TCP.
 
     >>> NetConfig(token=b"x" * 16).idle_timeout
@@ -99,6 +102,7 @@ class NetConfig:
     memory_budget: int = 256 << 20
     max_pending_handshakes: int = 128
     shaper: ShaperConfig = field(default_factory=ShaperConfig)
+    bandwidth: Optional[ShaperConfig] = None
     tls: Optional[TLSConfig] = None
 
     def __post_init__(self) -> None:

@@ -19,25 +19,22 @@ heartbeats. A lost connection fails every pending waiter with :class:`Connection
 
 Memory has a bound too: a frame nobody registered a buffer for is received into a buffer that
 grows with the bytes that arrive, and what a connection holds for unclaimed frames (inbox plus
-that buffer) stays under ``NetConfig.memory_budget``. The handshake deadline runs from accept,
-TLS included, and a listener lets at most ``NetConfig.max_pending_handshakes`` connections
-handshake at once: it accepts sockets itself and closes those beyond the bound before any TLS
-state exists for them.
+that buffer) stays under ``NetConfig.memory_budget``. The handshake deadline runs from
+construction, which on a listener (``net.listener``) is accept, TLS included.
+
+Connections are made by :func:`~poseidon_aio.net.dial.connect` and
+:func:`~poseidon_aio.net.listener.listen`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import json
 import logging
-import os
 import socket
 import sys
-from collections import deque
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Optional
+from typing import Optional
 
 from ..errors import (
     ConnectionLost,
@@ -49,11 +46,13 @@ from ..errors import (
     RemoteProtocolError,
 )
 from ..wire import DType, Frame, FrameDecoder, Header, Kind, encode_frame, encode_header
-from .endpoint import Endpoint, payload_views, silence
+from .backpressure import WriteTurns
 from .config import NetConfig
+from .endpoint import Endpoint, payload_views, silence
 from .handshake import HANDSHAKE_MAX_PAYLOAD, PROTOCOL_VERSION, Handshake, Role
 from .loop import is_uvloop
 from .shaper import Shaper
+from .sockopts import LOWAT_MAX, LOWAT_MIN, LOWAT_OPT, option_socket
 
 log = logging.getLogger("poseidon_aio.net")
 
@@ -64,33 +63,6 @@ _JOIN_BELOW = 16 * 1024
 _WRITELINES_COPIES = sys.version_info < (3, 12)
 # Where bytes still arriving on a link that has ended are read to and dropped: never buffered.
 _SINK_SIZE = 64 * 1024
-# SO_RCVLOWAT steps for a payload being received (Connection._tune_lowat): below the minimum a
-# payload's rest is not worth a system call; the maximum is well under half of Linux's receive
-# buffer, which the kernel keeps at least twice the mark.
-_LOWAT_OPT = getattr(socket, "SO_RCVLOWAT", None) if sys.platform.startswith("linux") else None
-_LOWAT_MIN = 64 * 1024
-_LOWAT_MAX = 256 * 1024
-# A flood of connections beyond max_pending_handshakes logs one line per this many seconds.
-_TURN_AWAY_LOG_EVERY = 10.0
-# Connections the kernel queues for a listener before our accept loop takes them.
-_BACKLOG = 128
-# After accept() fails for lack of file descriptors, wait this long before trying again (as
-# asyncio's own servers do): retrying at once would spin the loop.
-_ACCEPT_RETRY_DELAY = 1.0
-
-
-def _option_socket(sock) -> tuple:
-    """A socket object on which ``setsockopt`` is one system call, and whether it is our own.
-
-    asyncio's transports hand out a wrapper of their socket; uvloop's hands out a stand-in
-    whose every ``setsockopt`` builds and detaches a ``socket.socket``: 1.1 us a call against
-    0.3 on a socket of our own, twice a large frame (SO_RCVLOWAT follows the payload), and 2-4 %
-    of the event loop's samples in the 4-worker ResNet-20 of bench train. For uvloop we keep a
-    socket on a duplicate of the descriptor instead: options are the socket's, not the
-    descriptor's, so they reach the transport's, and closing ours leaves it open."""
-    if isinstance(sock, socket.socket) or type(sock).__module__.startswith("asyncio"):
-        return sock, False
-    return socket.socket(sock.family, sock.type, sock.proto, fileno=os.dup(sock.fileno())), True
 
 
 @dataclass
@@ -106,7 +78,8 @@ class ConnectionStats:
 class Connection(asyncio.BufferedProtocol, Endpoint):
     """One framed, authenticated connection to a peer process.
 
-    Made by :func:`connect` and :func:`listen`, which return it once the handshake is complete.
+    Made by :func:`~poseidon_aio.net.dial.connect` and :func:`~poseidon_aio.net.listener.listen`,
+    which return it once the handshake is complete.
 
     Args:
         role: ``Role.CLIENT`` if this side dialled.
@@ -138,9 +111,7 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         self._handshake = Handshake(role, rank, config.token, protocol=protocol)
         self._transport: Optional[asyncio.Transport] = None
         self._ready = self._loop.create_future()
-        self._write_paused = False
-        self._write_waiters: list = []
-        self._seq = itertools.count()
+        self._turns = WriteTurns(self._loop)
         self._read_pauses: set = set()
         self._last_recv = self._last_send = self._loop.time()
         self._timer: Optional[asyncio.TimerHandle] = None
@@ -219,14 +190,11 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         >>> # await conn.send(Kind.PUSH, grad.numpy(), key=3, clock=t, dtype=DType.FLOAT32)
         """
         self._raise_if_closed()
-        views = payload_views(payload)
-        length = sum(v.nbytes for v in views)
-        parts = [encode_header(kind, rank=self.rank, key=key, clock=clock, length=length, dtype=dtype, flags=flags), *views]
-        nbytes = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+        parts, nbytes = self._build_frame(kind, payload, key, clock, dtype, flags)
         for bucket in self._egress:
             await bucket.acquire(bucket.cost_of(nbytes, kind), priority)
-        if self._write_paused or self._write_waiters:
-            await self._wait_write_turn(priority)
+        if self._turns.busy:
+            await self._turns.wait(priority)
         self._write(parts, nbytes)
 
     def try_send(
@@ -249,13 +217,10 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         Raises:
             ConnectionLost, LocalProtocolError: as :meth:`send`.
         """
-        if self._egress or self._write_paused or self._write_waiters:
+        if self._egress or self._turns.busy:
             return False
         self._raise_if_closed()
-        views = payload_views(payload)
-        length = sum(v.nbytes for v in views)
-        parts = [encode_header(kind, rank=self.rank, key=key, clock=clock, length=length, dtype=dtype, flags=flags), *views]
-        self._write(parts, sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts))
+        self._write(*self._build_frame(kind, payload, key, clock, dtype, flags))
         return True
 
     async def close(self) -> None:
@@ -278,6 +243,11 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         """Drop the connection at once (no GOODBYE, no flush)."""
         self._fail(ConnectionLost(f"connection to {self.where} was aborted by rank {self.rank}"), "abort")
 
+    def _discard(self) -> None:
+        # Its TCP or TLS set-up failed, or its listener closed: stop the handshake timer, no warning.
+        self._closing = True
+        self.abort()
+
     # -- asyncio protocol callbacks ---------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -293,8 +263,8 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if transport.get_extra_info("sslcontext") is None and _LOWAT_OPT is not None:
-                self._lowat_sock, self._lowat_owned = _option_socket(sock)
+            if transport.get_extra_info("sslcontext") is None and LOWAT_OPT is not None:
+                self._lowat_sock, self._lowat_owned = option_socket(sock)
         transport.set_write_buffer_limits(self.config.write_high_water, self.config.write_low_water)
         self._handshake.peer = self.peer_address
         for kind, payload in self._handshake.start():
@@ -348,14 +318,13 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         """Wake the loop for a large payload in 256 KiB steps, not at every segment: the kernel
         reports the socket readable once ``SO_RCVLOWAT`` bytes are in (or at EOF or an error).
         A payload's bytes are of no use before the last of them, and each wake-up is a pass of
-        the loop and a ``buffer_updated`` with the GIL held (the transformer of bench train, 2
-        workers at 1 Gbit: ~47 wake-ups of 62 KB a step). Never above what the payload still
+        the loop and a ``buffer_updated`` with the GIL held. Never above what the payload still
         needs, so the frame's last bytes always wake us."""
         want = self._decoder.payload_remaining
-        lowat = min(want, _LOWAT_MAX) if want >= _LOWAT_MIN else 1
+        lowat = min(want, LOWAT_MAX) if want >= LOWAT_MIN else 1
         if lowat != self._lowat:
             try:
-                self._lowat_sock.setsockopt(socket.SOL_SOCKET, _LOWAT_OPT, lowat)
+                self._lowat_sock.setsockopt(socket.SOL_SOCKET, LOWAT_OPT, lowat)
             except OSError:
                 if self._lowat_owned:
                     self._lowat_sock.close()
@@ -367,17 +336,16 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         return False  # close our side too; connection_lost reports it
 
     def pause_writing(self) -> None:
-        self._write_paused = True
+        self._turns.pause()
         self.stats.write_pauses += 1
 
     def resume_writing(self) -> None:
-        self._write_paused = False
-        self._wake_writer()
+        self._turns.resume()
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self._transport = None
         if self._lowat_sock is not None and self._lowat_owned:
-            self._lowat_sock.close()  # our duplicate of the descriptor (_option_socket)
+            self._lowat_sock.close()  # our duplicate of the descriptor (sockopts.option_socket)
         self._lowat_sock = None
         if self._exc is None:
             partial = self._decoder.partial
@@ -504,22 +472,12 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
 
     # -- send side --------------------------------------------------------------------------
 
-    async def _wait_write_turn(self, priority: int) -> None:
-        fut = self._loop.create_future()
-        heapq.heappush(self._write_waiters, (priority, next(self._seq), fut))
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self._wake_writer()  # pass the turn we were given on
-            raise
-
-    def _wake_writer(self) -> None:
-        while self._write_waiters and not self._write_paused:
-            fut = heapq.heappop(self._write_waiters)[2]
-            if not fut.done():
-                fut.set_result(None)
-                return
+    def _build_frame(self, kind: Kind, payload, key: int, clock: int, dtype: DType, flags: int) -> tuple:
+        """``([header, *payload views], total bytes)``: what :meth:`_write` takes."""
+        views = payload_views(payload)
+        length = sum(v.nbytes for v in views)
+        header = encode_header(kind, rank=self.rank, key=key, clock=clock, length=length, dtype=dtype, flags=flags)
+        return [header, *views], len(header) + length
 
     def _write(self, parts: list, nbytes: int) -> None:
         self._raise_if_closed()
@@ -537,7 +495,7 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         buffered = transport.get_write_buffer_size()
         if buffered > self.stats.max_write_buffer:
             self.stats.max_write_buffer = buffered
-        self._wake_writer()
+        self._turns.wake()
 
     def _write_control(self, kind: Kind, payload: bytes = b"", dtype: DType = DType.BYTES) -> None:
         # Control frames are tiny and must not queue behind data (a heartbeat stuck behind 100 MB
@@ -570,7 +528,7 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
             return
         if (
             self._handshake.ready
-            and not self._write_paused
+            and not self._turns.paused
             and now - self._last_send >= self.config.heartbeat_interval / 2
         ):
             self._write_control(Kind.HEARTBEAT)
@@ -608,12 +566,7 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
             self._ready.set_exception(exc)
             silence(self._ready)
         self._fail_waiters()
-        lost = self._lost()
-        for _, _, fut in self._write_waiters:
-            if not fut.done():
-                fut.set_exception(lost)
-                silence(fut)
-        self._write_waiters.clear()
+        self._turns.fail(self._lost())
         transport = self._transport
         if transport is None or how == "none":
             return
@@ -632,315 +585,3 @@ def _error_text(frame: Frame) -> str:
         return str(info.get("message", info))
     except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         return repr(bytes(frame.payload[:200]))
-
-
-async def connect(
-    host: str,
-    port: int,
-    *,
-    rank: int,
-    config: NetConfig,
-    process_shaper: Optional[Shaper] = None,
-    protocol: int = PROTOCOL_VERSION,
-) -> Connection:
-    """Dial a listener and complete the handshake.
-
-    Raises:
-        PeerTimeout: no TCP connection within ``config.connect_timeout`` or no handshake within
-            ``config.handshake_timeout``.
-        ConnectionLost: the address refused or dropped the connection.
-        AuthenticationError, VersionMismatch, HandshakeError: the handshake was refused.
-
-    >>> # conn = await connect("10.0.0.2", 29600, rank=0, config=NetConfig(token=TOKEN))
-    """
-    loop = asyncio.get_running_loop()
-    tls = config.tls
-    made: list = []
-
-    def factory() -> Connection:
-        conn = Connection(Role.CLIENT, rank, config, process_shaper=process_shaper, protocol=protocol)
-        made.append(conn)
-        return conn
-
-    try:
-        async with asyncio.timeout(config.connect_timeout):
-            _, conn = await loop.create_connection(
-                factory,
-                host,
-                port,
-                ssl=tls.client_context() if tls else None,
-                server_hostname=host if tls else None,
-                ssl_handshake_timeout=config.handshake_timeout if tls else None,
-            )
-    except TimeoutError:
-        _discard(made)
-        raise PeerTimeout(
-            f"rank {rank} could not connect to {host}:{port} within {config.connect_timeout} s"
-        ) from None
-    except OSError as exc:
-        _discard(made)
-        raise ConnectionLost(f"rank {rank} could not connect to {host}:{port}: {exc}") from exc
-    except BaseException:
-        _discard(made)
-        raise
-    try:
-        return await conn.wait_ready()
-    except asyncio.CancelledError:
-        conn.abort()
-        raise
-
-
-def _discard(conns: list) -> None:
-    # A connection whose TCP or TLS set-up failed: stop its handshake timer without a warning.
-    for conn in conns:
-        conn._closing = True
-        conn.abort()
-
-
-class Listener:
-    """A listening socket whose authenticated connections go to a callback.
-
-    Attributes:
-        address: ``(host, port)`` actually bound (port 0 picks a free one).
-        connections: the open, authenticated connections.
-        refused: the errors of handshakes that failed (most recent 100).
-        on_refused: ``None``, or ``f(conn, error)`` called for each of those as it fails (the
-            worker mesh uses it to stop waiting for a rank whose connection was refused).
-        refused_total: handshakes that failed since the listener started.
-        turned_away: connections closed at accept because ``max_pending_handshakes`` were
-            already handshaking.
-    """
-
-    def __init__(
-        self,
-        rank: int,
-        on_connection: Callable[[Connection], Optional[Awaitable[None]]],
-        max_pending_handshakes: int = 128,
-    ) -> None:
-        self.rank = rank
-        self.address: tuple = ("", 0)
-        self.connections: set = set()
-        self.refused: deque = deque(maxlen=100)
-        self.on_refused: Optional[Callable[[Connection, PoseidonError], None]] = None
-        self.refused_total = 0
-        self.turned_away = 0
-        self.max_pending_handshakes = max_pending_handshakes
-        self._on_connection = on_connection
-        self._sock: Optional[socket.socket] = None
-        self._accepting: Optional[asyncio.Task] = None
-        self._tasks: set = set()
-        self._handshaking: set = set()
-        self._refusal_waiters: list = []
-        self._turned_away_logged = (float("-inf"), 0)  # (loop time, turned_away) of the last log line
-
-    @property
-    def pending_handshakes(self) -> int:
-        """Connections accepted whose handshake has not ended yet."""
-        return len(self._handshaking)
-
-    async def wait_refused(self, count: int = 1, timeout: float = 10.0) -> None:
-        """Wait until ``refused_total`` reaches ``count``: for tests and monitors of the listener.
-
-        Args:
-            count: refusals since the listener started (not since this call).
-            timeout: seconds to wait at most.
-        Raises:
-            PeerTimeout: fewer refusals than ``count`` within ``timeout``.
-
-        >>> # await listener.wait_refused(1, timeout=10); listener.refused[0]
-        """
-        if self.refused_total >= count:
-            return
-        entry = (count, asyncio.get_running_loop().create_future())
-        self._refusal_waiters.append(entry)
-        try:
-            async with asyncio.timeout(timeout):
-                await entry[1]
-        except TimeoutError:
-            raise PeerTimeout(
-                f"rank {self.rank}'s listener refused {self.refused_total} handshakes within {timeout} s, "
-                f"not {count}"
-            ) from None
-        finally:
-            self._refusal_waiters.remove(entry)
-
-    def _serve(
-        self, sock: socket.socket, make_connection: Callable[[], Connection], tls, handshake_timeout: float
-    ) -> None:
-        self._sock = sock
-        self.address = sock.getsockname()[:2]
-        accepting = self._accept(make_connection, tls, handshake_timeout)
-        self._accepting = asyncio.get_running_loop().create_task(accepting)
-        self._accepting.add_done_callback(self._accept_ended)
-
-    async def _accept(self, make_connection: Callable[[], Connection], tls, handshake_timeout: float) -> None:
-        # The loop's own servers (create_server with ssl=) create the protocol only once TLS is
-        # up: too late to start the handshake deadline, and to refuse a connection before its TLS
-        # state (asyncio's is a 256 KiB buffer per socket) exists. So the listener accepts itself.
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                sock, addr = await loop.sock_accept(self._sock)
-            except (ConnectionAbortedError, InterruptedError):
-                continue  # the peer left before we took it
-            except OSError as exc:  # EMFILE, ENFILE, ENOBUFS: out of descriptors or memory
-                log.error(
-                    "rank %s: accepting a connection failed: %s; trying again in %s s",
-                    self.rank,
-                    exc,
-                    _ACCEPT_RETRY_DELAY,
-                )
-                await asyncio.sleep(_ACCEPT_RETRY_DELAY)
-                continue
-            if len(self._handshaking) >= self.max_pending_handshakes:
-                sock.close()
-                self._turn_away()
-            else:
-                self._take(sock, addr, make_connection, tls, handshake_timeout)
-
-    def _take(self, sock: socket.socket, addr: tuple, make_connection, tls, handshake_timeout: float) -> None:
-        # Not inlined in _accept: its suspended frame would keep the last connection alive.
-        conn = make_connection()  # the handshake deadline runs from here
-        conn.peer_address = f"{addr[0]}:{addr[1]}"
-        self._handshaking.add(conn)
-        task = asyncio.get_running_loop().create_task(self._admit(conn, sock, tls, handshake_timeout))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _accept_ended(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.error(
-                "rank %s: the listener on %s stopped accepting connections",
-                self.rank,
-                self.address,
-                exc_info=task.exception(),
-            )
-
-    def _turn_away(self) -> None:
-        self.turned_away += 1
-        now = asyncio.get_running_loop().time()
-        last_time, last_count = self._turned_away_logged
-        if now - last_time >= _TURN_AWAY_LOG_EVERY:
-            log.warning(
-                "rank %s: %d handshakes already in progress (NetConfig.max_pending_handshakes); "
-                "closed %d new connections at once since the last report",
-                self.rank,
-                len(self._handshaking),
-                self.turned_away - last_count,
-            )
-            self._turned_away_logged = (now, self.turned_away)
-
-    def _record_refusal(self, exc: BaseException) -> None:
-        # Tracebacks hold the frames that raised, and those hold the refused Connection (with its
-        # 64 KiB scratch buffer): kept in `refused`, 100 of them would outlive their sockets.
-        chain: Optional[BaseException] = exc
-        cleared: set = set()
-        while chain is not None and id(chain) not in cleared:
-            cleared.add(id(chain))
-            chain.__traceback__ = None
-            chain = chain.__cause__ or chain.__context__
-        self.refused.append(exc)
-        self.refused_total += 1
-        for count, fut in self._refusal_waiters:
-            if self.refused_total >= count and not fut.done():
-                fut.set_result(None)
-
-    async def _admit(self, conn: Connection, sock: socket.socket, tls, handshake_timeout: float) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            try:
-                await loop.connect_accepted_socket(
-                    lambda: conn, sock, ssl=tls, ssl_handshake_timeout=handshake_timeout if tls else None
-                )
-            except Exception as exc:  # noqa: BLE001 - ssl.SSLError, OSError: this connection only
-                sock.close()
-                conn._transport_failed(exc, tls is not None)
-            await conn.wait_ready()
-        except PoseidonError as exc:
-            self._record_refusal(exc)
-            log.warning("rank %s refused a connection from %s: %s", self.rank, conn.peer_address, exc)
-            if self.on_refused is not None:
-                self.on_refused(conn, exc)
-            return
-        finally:
-            self._handshaking.discard(conn)
-        self.connections.add(conn)
-        conn.on_close(self.connections.discard)
-        try:
-            result = self._on_connection(conn)
-            if result is not None:
-                await result
-        except ConnectionLost:
-            if conn.error is None:
-                raise
-            log.debug("rank %s: handler for %s ended with its connection", self.rank, conn.where)
-        except Exception as exc:  # noqa: BLE001 - the callback's failure ends its connection only
-            log.exception("rank %s: connection handler for %s failed", self.rank, conn.where)
-            conn._fail(exc, "abort")
-
-    async def close(self) -> None:
-        """Stop listening, close every connection and wait for the handler tasks to finish."""
-        if self._accepting is not None:
-            self._accepting.cancel()
-            await asyncio.gather(self._accepting, return_exceptions=True)
-        if self._sock is not None:
-            self._sock.close()
-        for conn in list(self.connections):
-            await conn.close()
-        pending = list(self._handshaking)
-        for task in list(self._tasks):
-            task.cancel()
-        _discard(pending)
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def __aenter__(self) -> "Listener":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
-
-
-async def listen(
-    host: str,
-    port: int,
-    *,
-    rank: int,
-    config: NetConfig,
-    on_connection: Callable[[Connection], Optional[Awaitable[None]]],
-    process_shaper: Optional[Shaper] = None,
-    protocol: int = PROTOCOL_VERSION,
-) -> Listener:
-    """Listen on ``host:port``; call ``on_connection(conn)`` for each authenticated connection.
-
-    Binds the first address ``host`` resolves to (``""``: every interface of the first family).
-
-    A handshake that fails (or does not finish within ``config.handshake_timeout`` of accept) is
-    logged and recorded in ``Listener.refused``; the listener keeps serving. Beyond
-    ``config.max_pending_handshakes`` connections handshaking at once, new ones are closed at
-    accept and counted in ``Listener.turned_away``. If ``on_connection`` returns an awaitable it
-    runs as a task owned by the listener.
-
-    >>> # listener = await listen("127.0.0.1", 0, rank=1, config=cfg, on_connection=serve_peer)
-    """
-    loop = asyncio.get_running_loop()
-    tls = config.tls.server_context() if config.tls else None
-    family, kind, proto, _, address = (
-        await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(_BACKLOG)
-        sock.setblocking(False)
-    except OSError as exc:
-        sock.close()
-        raise OSError(exc.errno, f"rank {rank} cannot listen on {host}:{port}: {exc.strerror}") from exc
-
-    def connection() -> Connection:
-        return Connection(Role.SERVER, rank, config, process_shaper=process_shaper, protocol=protocol)
-
-    listener = Listener(rank, on_connection, config.max_pending_handshakes)
-    listener._serve(sock, connection, tls, config.handshake_timeout)
-    return listener

@@ -56,12 +56,11 @@ def is_uvloop(loop: asyncio.AbstractEventLoop) -> bool:
 
 
 # A hop to a worker thread and back costs the loop a wake-up each way and, on a host with fewer
-# free cores than busy threads, context switches and a turn of the GIL for the thread woken. On
-# the bench host (4 workers on 2 cores) keeping 5 hops a step on the loop saved ~0.2 ms of CPU
-# each (bench/RESULTS.md, "Work that stays on the loop"): about what a small layer's top-k
-# selection (0.1-0.3 ms), codec pass or SGD step costs itself. Below this budget the work runs
-# where it is asked for; above it, the loop keeps moving bytes while a worker thread computes
-# (NumPy and torch release the GIL in their kernels).
+# free cores than busy threads, context switches and a turn of the GIL for the thread woken: as
+# much as a small layer's top-k selection, codec pass or SGD step costs itself (bench/RESULTS.md,
+# "Work that stays on the loop"). Below this budget the work runs where it is asked for; above
+# it, the loop keeps moving bytes while a worker thread computes (NumPy and torch release the GIL
+# in their kernels).
 INLINE_BUDGET_S = 0.5e-3
 OFFLOAD_KEYS = 4096  # how many pieces of work one Offload remembers the cost of
 

@@ -18,10 +18,9 @@ import numpy as np
 
 from ..cluster.book import InformationBook, Message
 from ..errors import ConnectionLost, LocalProtocolError, RemoteProtocolError, SyncTimeout, WorkerLeft
-from ..wire import Frame, Kind, factors
+from ..wire import DTYPE_BY_NAME, Frame, Kind, factors
 from ..wire.spans import spanning
 from .config import PSConfig
-from .shard import WIRE_DTYPE
 
 log = logging.getLogger("poseidon_aio.ps")
 
@@ -222,7 +221,7 @@ class PSClient:
         self.dropped: dict = {}
         self._conns = conns
         # What every array handed in must be, per parameter: compared as NumPy dtypes (a dtype's
-        # name is a Python property, 4 us a read; this check runs for every parameter every step).
+        # name is a Python property, slow to read; this check runs for every parameter every step).
         self._expected = [(spec.shape, np.dtype(spec.dtype)) for spec in book.manifest]
         self._loop = asyncio.get_running_loop()
         self._total = len(book.messages)
@@ -273,7 +272,7 @@ class PSClient:
         for m in messages:
             conn = self._conns[m.shard]
             op.expect(conn, reply_kind, m.id, reply_clock, self.book.slices(m, flat_o))
-            op.send(conn, Kind.PUSH, self.book.slices(m, flat_g), m.id, clock, WIRE_DTYPE[m.dtype], priority, m.nbytes)
+            op.send(conn, Kind.PUSH, self.book.slices(m, flat_g), m.id, clock, DTYPE_BY_NAME[m.dtype], priority, m.nbytes)
         return op.started()
 
     def push_factors(self, params: Sequence[int], u: np.ndarray, v: np.ndarray, out: Sequence[np.ndarray], clock: int, priority: int = 0) -> asyncio.Future:
@@ -396,7 +395,7 @@ class PSClient:
             if separate:
                 scatter.append((into, outs))
             waits.append(conn.expect(Kind.PARAMS, m.id, clock, into=into))
-            await conn.send(Kind.PULL, b"", key=m.id, clock=clock, dtype=WIRE_DTYPE[m.dtype])
+            await conn.send(Kind.PULL, b"", key=m.id, clock=clock, dtype=DTYPE_BY_NAME[m.dtype])
         await self._bounded(asyncio.gather(*waits), f"pulling parameters for clock {clock}", messages, clock)
         _scatter(scatter)
 
@@ -412,7 +411,7 @@ class PSClient:
         flat = self._flat(params, arrays)
         for m in self.book.messages_of_params(params):
             parts = self.book.slices(m, flat)
-            await self._conns[m.shard].send(Kind.PARAMS, parts, key=m.id, clock=clock, dtype=WIRE_DTYPE[m.dtype])
+            await self._conns[m.shard].send(Kind.PARAMS, parts, key=m.id, clock=clock, dtype=DTYPE_BY_NAME[m.dtype])
 
     # -- notices from shards ----------------------------------------------------------------
 

@@ -81,7 +81,6 @@ class PSConfig:
         checkpoint_dir, checkpoint_every: every N clocks each shard writes its state atomically
             (server-side SGD, where shards own the model); 0 disables.
         sync_timeout: seconds a worker waits for any one aggregate before :class:`SyncTimeout`.
-        rendezvous_timeout: seconds for every rank to show up at start-up.
         placement: ``"balanced"`` or ``"tensor"`` (see :class:`InformationBook`).
         standalone_shards: the ``shards`` shards run in their own processes
             (``poseidon-aio shard --index S``) instead of inside workers.
@@ -89,22 +88,11 @@ class PSConfig:
             not yet connected; past it the worker is ejected (with a straggler policy) or the
             job fails naming it. Default: what a healthy worker can be owed, ``(staleness + 2)``
             clocks of the shard's replies plus 1 MiB.
-        allreduce: how the all-reduce scheme's buckets move over the worker mesh (chunks of
-            ``chunk_bytes`` too): ``"ring"`` (one flow each way per worker, as gloo's: big
-            buckets at gloo's speed), ``"direct"`` (every rank to every slice's owner at once:
-            2 steps instead of 2 (P - 1), P - 1 flows each way) or ``"auto"``: round the ring
-            from slices of ``cost.RING_MIN_SLICE_BYTES`` (64 KiB) up, direct below. See
-            ``poseidon_aio.sync.allreduce``.
         group_spread_bytes: a merge group's keys are spread over the shards in runs of at
             least this many bytes (one message per shard: every link busy both ways at once);
             0 keeps every group on one shard. ``None``: the trainer takes the bytes of P2
             message start-ups on its measured link (``cluster.book.spread_bytes_for``), at
             least 64 KiB.
-        early_step_bytes: under BSP on the CPU, with a per-parameter ``torch.optim`` optimizer
-            (SGD, Adam, ...) and no step hooks, the optimizer steps the parameters whose syncs
-            have landed while others are still moving, once they hold this many bytes; the last
-            ones are stepped after the last sync. Every parameter gets the bits one step over
-            all of them gives. ``None``: one step after every sync.
     """
 
     shards: Optional[int] = None
@@ -115,31 +103,22 @@ class PSConfig:
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
     sync_timeout: float = 120.0
-    rendezvous_timeout: float = 60.0
     placement: str = "balanced"
     standalone_shards: bool = False
     outbox_bytes: Optional[int] = None
-    allreduce: str = "auto"
     group_spread_bytes: Optional[int] = None
-    # The update streams ~3 bytes for each byte of parameters (SGD: 0.4 ms for 4 MiB on the
-    # workplace's CPU), well above the hop to the compute thread and back (~0.1 ms loaded).
-    early_step_bytes: Optional[int] = 4 << 20
 
     def __post_init__(self) -> None:
         if self.shards is not None and self.shards < 1:
             raise ConfigError(f"PSConfig.shards must be >= 1, got {self.shards}")
         if self.staleness < 0:
             raise ConfigError(f"PSConfig.staleness must be >= 0, got {self.staleness}")
-        if self.early_step_bytes is not None and self.early_step_bytes < 1:
-            raise ConfigError(f"PSConfig.early_step_bytes must be >= 1 (None: off), got {self.early_step_bytes}")
         if self.checkpoint_every < 0:
             raise ConfigError("PSConfig.checkpoint_every must be >= 0")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ConfigError("PSConfig.checkpoint_every needs checkpoint_dir")
-        if self.sync_timeout <= 0 or self.rendezvous_timeout <= 0:
-            raise ConfigError("PSConfig timeouts must be > 0 seconds")
-        if self.allreduce not in ("auto", "ring", "direct"):
-            raise ConfigError(f"PSConfig.allreduce must be 'auto', 'ring' or 'direct', got {self.allreduce!r}")
+        if self.sync_timeout <= 0:
+            raise ConfigError(f"PSConfig.sync_timeout must be > 0 seconds, got {self.sync_timeout}")
         if self.group_spread_bytes is not None and self.group_spread_bytes < 0:
             raise ConfigError(f"PSConfig.group_spread_bytes must be >= 0 (0: every merge group on one shard), got {self.group_spread_bytes}")
         if self.outbox_bytes is not None and self.outbox_bytes < 1:

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 from ..cluster.book import InformationBook
 from ..cluster.manifest import Manifest
-from ..cluster.rendezvous import ClusterEnv, Rendezvous, advertise_host
+from ..cluster.rendezvous import ClusterEnv, Rendezvous, StartupConfig, advertise_host
 from ..net import LocalLink, NetConfig, connect, listen
 from ..net.credentials import config_from_env
 from . import checkpoint
@@ -97,6 +97,7 @@ class PSNode:
         process_shaper=None,
         factored: Optional[Sequence[Sequence[str]]] = None,
         shard_state: Optional[dict] = None,
+        startup: Optional[StartupConfig] = None,
     ) -> "PSNode":
         """Join the job and return a ready node.
 
@@ -118,6 +119,7 @@ class PSNode:
             shard_state: the server-side optimizer state of the shard this rank hosts
                 (:meth:`KVShard.state`, e.g. from a trainer checkpoint), with ``start_clock``
                 the clock it was taken at.
+            startup: how long the node's own rendezvous waits for the other ranks.
         Raises:
             ConfigError, ManifestMismatch, PeerTimeout, CheckpointError: start-up failed; this
                 rank then publishes why (:meth:`Rendezvous.abort`).
@@ -131,7 +133,7 @@ class PSNode:
             self.env, self._rdzv = rendezvous.env, rendezvous
         else:
             self.env = env or ClusterEnv.from_env()
-            self._rdzv = Rendezvous(self.env, timeout=config.rendezvous_timeout)
+            self._rdzv = Rendezvous(self.env, timeout=(startup or StartupConfig()).timeout)
             await self._rdzv.start()
         self.rank = self.env.rank
         self._shaper = process_shaper

@@ -32,7 +32,7 @@ import numpy as np
 from ..cluster.book import InformationBook, Message
 from ..errors import RemoteProtocolError
 from ..net import Endpoint
-from ..wire import DType, Frame, Header, Kind
+from ..wire import DTYPE_BY_NAME, DType, Frame, Header, Kind
 from ..wire import factors as sufficient_factors
 from . import checkpoint
 from .config import PSConfig
@@ -43,7 +43,6 @@ from .slots import ReplyBuffers, SlotPool, reduce_mean
 
 log = logging.getLogger("poseidon_aio.ps")
 
-WIRE_DTYPE = {"float32": DType.FLOAT32, "float64": DType.FLOAT64, "float16": DType.FLOAT16}
 # Reductions over more than this many bytes run on a worker thread (NumPy releases the GIL), so the
 # loop keeps receiving other keys' pushes meanwhile; below it a thread hop costs more than the sum.
 _OFFLOAD_BYTES = 8 << 20
@@ -269,7 +268,7 @@ class KVShard:
                 f"rank {rank} sent {header.kind.name} for message {header.key} at clock {header.clock} to "
                 f"shard {self.index}, which does not hold it: the ranks' information books differ"
             )
-        if header.length and (header.length != m.nbytes or header.dtype != WIRE_DTYPE[m.dtype]):
+        if header.length and (header.length != m.nbytes or header.dtype != DTYPE_BY_NAME[m.dtype]):
             raise RemoteProtocolError(
                 f"rank {rank} sent {header.length} bytes of {header.dtype.name} for message "
                 f"{m.id} ({self._describe(m)}) at clock {header.clock}; shard {self.index} expects "
@@ -446,7 +445,7 @@ class KVShard:
             self._finalized[msg.id] = clock
             self.stats.finalized += 1
             for r in range(self.workers):
-                self._send(r, [*notice, (kind, payload, msg.id, reply_clock, WIRE_DTYPE[msg.dtype])])
+                self._send(r, [*notice, (kind, payload, msg.id, reply_clock, DTYPE_BY_NAME[msg.dtype])])
         if self._sgd is not None and mid not in self._factored:
             self._after_update(mid, clock + 1)
 
@@ -498,7 +497,7 @@ class KVShard:
             return
         m = self._messages[mid]
         for r in sorted(ranks):
-            self._send(r, [(Kind.PARAMS, values, mid, clock, WIRE_DTYPE[m.dtype])])
+            self._send(r, [(Kind.PARAMS, values, mid, clock, DTYPE_BY_NAME[m.dtype])])
         del self._pullers[(mid, clock)]
 
     # -- checkpoints ------------------------------------------------------------------------

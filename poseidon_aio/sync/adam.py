@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+from ..plan.cost import Scheme
 from .bucket import Bucket
-from .cost import Scheme
 from .syncer import SyncContext, Syncer, register
 from .ps import _result_of
 
@@ -17,7 +17,6 @@ class AdamSyncer(Syncer):
     scheme = Scheme.ADAM
     on_ps = True
     factored = True
-    captures_factors = True
 
     def __init__(self, client, index) -> None:
         self._client = client

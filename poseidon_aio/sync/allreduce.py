@@ -35,18 +35,18 @@ Frame keys: ``(first layer of the bucket) << 16 | chunk`` (direct), ``| chunk * 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from ..errors import ConfigError, SyncTimeout
-from ..wire import Kind
+from ..plan.cost import ALLREDUCE_ALGORITHMS, Scheme, goes_round_ring
+from ..wire import DTYPE_BY_NAME, Kind, wire_dtype
 from ..wire.codec import byte_view
 from ..wire.spans import spanning
 from .bucket import Bucket
-from .cost import ALLREDUCE_ALGORITHMS, Scheme, goes_round_ring
 from .syncer import SyncContext, Syncer, SyncResult, register
-from .broadcast import WIRE_DTYPES
 
 CHUNKS_PER_LAYER = 1 << 16
 
@@ -135,6 +135,24 @@ def _retrieved(task: asyncio.Future) -> None:
         task.exception()
 
 
+@dataclass
+class AllReduceConfig:
+    """How the all-reduce scheme's buckets move over the worker mesh.
+
+    Args:
+        algorithm: ``"ring"`` (one flow each way per worker, as gloo's: big buckets at gloo's
+            speed), ``"direct"`` (every rank to every slice's owner at once: 2 steps instead of
+            2 (P - 1), P - 1 flows each way) or ``"auto"``: round the ring from slices of
+            ``RING_MIN_SLICE_BYTES`` (64 KiB) up, direct below.
+    """
+
+    algorithm: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALLREDUCE_ALGORITHMS:
+            raise ConfigError(f"AllReduceConfig.algorithm must be one of {', '.join(ALLREDUCE_ALGORITHMS)}, got {self.algorithm!r}")
+
+
 @register
 class AllReduceSyncer(Syncer):
     """Args:
@@ -142,12 +160,11 @@ class AllReduceSyncer(Syncer):
         peers: ``{rank: link}`` to every other worker.
         timeout: seconds to wait for any one part.
         chunk_bytes: the pipelining granularity (``PSConfig.chunk_bytes``: the same 2 MiB).
-        algorithm: ``"auto"``, ``"ring"`` or ``"direct"`` (``PSConfig.allreduce``; see the
+        algorithm: ``"auto"``, ``"ring"`` or ``"direct"`` (``AllReduceConfig.algorithm``; see the
             module's text and ``cost.goes_round_ring``).
     """
 
     scheme = Scheme.ALLREDUCE
-    mergeable = True
 
     def __init__(self, rank: int, world: int, peers, timeout: float, chunk_bytes: int = 2 << 20, algorithm: str = "auto") -> None:
         if algorithm not in ALLREDUCE_ALGORITHMS:
@@ -182,7 +199,9 @@ class AllReduceSyncer(Syncer):
         dtype = grads[0].dtype
         if any(g.dtype != dtype for g in grads):
             raise ConfigError(f"bucket {bucket.label} mixes dtypes {sorted({str(g.dtype) for g in grads})}: all-reduce one dtype at a time")
-        wire = WIRE_DTYPES[dtype]
+        wire = wire_dtype(dtype)
+        if wire is None:
+            raise ConfigError(f"bucket {bucket.label} holds {dtype} arrays, which have no wire type: all-reduce {', '.join(DTYPE_BY_NAME)}")
         if self.world == 1:
             for g, o in zip(grads, outs):
                 np.copyto(o, g)

@@ -8,18 +8,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..errors import SyncTimeout
-from ..wire import DType, Kind
-
-WIRE_DTYPES = {
-    np.dtype(np.float32): DType.FLOAT32,
-    np.dtype(np.float64): DType.FLOAT64,
-    np.dtype(np.float16): DType.FLOAT16,
-    np.dtype(np.int64): DType.INT64,
-    np.dtype(np.int32): DType.INT32,
-    np.dtype(np.uint8): DType.UINT8,
-    np.dtype(np.int8): DType.INT8,
-}
-
+from ..wire import DType, Kind, wire_dtype
 
 async def parameters(rank: int, peers: Mapping[int, object], arrays: Sequence[np.ndarray], timeout: float) -> None:
     """Rank 0's parameters (and buffers) to every rank, at start."""
@@ -64,8 +53,9 @@ async def broadcast(
         sends = []
         for key, array in enumerate(arrays):
             payload = array.copy()
+            dtype = wire_dtype(payload.dtype, DType.BYTES)
             for conn in peers.values():
-                sends.append(conn.send(kind, payload, key=key, clock=clock, dtype=WIRE_DTYPES.get(payload.dtype, DType.BYTES)))
+                sends.append(conn.send(kind, payload, key=key, clock=clock, dtype=dtype))
         await asyncio.gather(*sends)
         return
     conn = peers[0]

@@ -1,7 +1,7 @@
-"""Gradient compression: its settings, the error-feedback state, and the pure arithmetic.
+"""Gradient compression: the error-feedback state, the pure arithmetic, and what it costs here.
 
 Three lossy schemes sit beside the exact ones (PS, SFB, all-reduce) and the planner weighs them
-per layer (``sync/lossyplan.py``):
+per layer (``plan/lossy.py``, which holds their settings, ``CompressionConfig``):
 
 * ``fp16``: an all-reduce whose payloads are scaled float16 (``wire/half.py``), summed in float32
   in rank order. No state.
@@ -19,150 +19,25 @@ Determinism: every sum is taken in rank order by the same NumPy kernel, so each 
 the same bits (:func:`rank_order_mean`); PowerSGD's orthonormalization and final GEMM run on
 every rank on bitwise-equal inputs, like SFB's reconstruction (same machine type, same BLAS).
 
-This module is pure: arrays in, arrays out, no I/O. The syncers (``sync/half.py``,
-``sync/powersgd.py``, ``sync/topk.py``) put the mesh's collectives between its steps, and the
-property tests run the same steps with :func:`rank_order_mean` standing in for the mesh.
+This module is pure: arrays in, arrays out, no I/O (:func:`measure_compute` only times it). The
+syncers (``sync/half.py``, ``sync/powersgd.py``, ``sync/topk.py``) put the mesh's collectives
+between its steps, and the property tests run the same steps with :func:`rank_order_mean`
+standing in for the mesh.
 """
 
 from __future__ import annotations
 
-import enum
-import json
 import math
+import time
 import zlib
-from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
 from ..errors import CheckpointError, ConfigError
-from .cost import LOSSY_SCHEMES, Link
-
-
-class Compression(str, enum.Enum):
-    """What ``Trainer(compression=...)`` asks for."""
-
-    AUTO = "auto"  # the planner weighs every lossy scheme beside the exact ones, per layer
-    FP16 = "fp16"
-    POWERSGD = "powersgd"
-    TOPK = "topk"
-
-
-# 16384 elements (64 KiB of float32). Below it a layer stays exact, for accuracy, not for time:
-# such layers are the ones that move a model most per element (the first convolution, small
-# heads; biases and norms have no matrix at all), and top-k at 1 % would keep fewer than 164 of
-# their values a step. The time given up is not nothing on a slow link: a 64 KiB layer's exact
-# ring all-reduce moves 2(P - 1)/P x 64 KiB each way, 7.9 ms at 100 Mbit and 0.8 ms at 1 Gbit
-# with 4 workers, of which a lossy scheme could save most; ``min_elements`` lowers the bar. A
-# bias inside a larger layer stays exact too (it rides uncompressed in PowerSGD's and top-k's
-# messages).
-MIN_ELEMENTS = 16384
-
-
-@dataclass
-class CompressionConfig:
-    """Lossy gradient compression, chosen per layer (opt-in; ``None`` keeps every layer exact).
-
-    Args:
-        method: ``"auto"`` (the planner weighs fp16, PowerSGD and top-k beside the exact schemes
-            by predicted time, per layer), or one method, used on every layer it suits (at least
-            ``min_elements`` elements of matrices, float32; PowerSGD only where its rank-r factors
-            are fewer floats than the matrix) and the exact schemes elsewhere.
-        rank: PowerSGD's rank r (Vogels et al. reach full accuracy at r = 2-4 on CIFAR-10
-            ResNet-18 and LSTMs; 4 leaves a margin).
-        ratio: top-k's density, k = ceil(ratio x elements) (1 %: Aji & Heafield 2017 and Stich
-            et al. 2018 train to full accuracy with error feedback at 1 % and below).
-        min_elements: matrix elements under which a layer stays exact (see ``MIN_ELEMENTS``).
-        link: plan as if each worker's link were this (``Link.of_bandwidth(12.5e6, 1e-4)``: 100
-            Mbit, 100 us per round) instead of the one measured at start-up: to study or test a
-            slow network from a fast one.
-        compute: plan with these compression compute costs, ``{"fp16" | "powersgd" | "topk":
-            (a seconds, b seconds per element)}``, instead of measuring them at start-up. The
-            measurement depends on the machine's load, so an ``"auto"`` plan is repeatable bit
-            for bit only with ``link`` and ``compute`` both given (the log prints the measured
-            ones to copy).
-
-    Raises:
-        ConfigError: an unknown method or a value out of range.
-
-    >>> CompressionConfig("powersgd", rank=2).method
-    <Compression.POWERSGD: 'powersgd'>
-    """
-
-    method: Compression | str = Compression.AUTO
-    rank: int = 4
-    ratio: float = 0.01
-    min_elements: int = MIN_ELEMENTS
-    link: Optional[Link] = None
-    compute: Optional[Mapping[str, tuple]] = None
-
-    def __post_init__(self) -> None:
-        try:
-            self.method = Compression(self.method)
-        except ValueError:
-            raise ConfigError(f"compression must be one of {[c.value for c in Compression]} or None, got {self.method!r}") from None
-        if not (isinstance(self.rank, int) and self.rank >= 1):
-            raise ConfigError(f"CompressionConfig.rank (PowerSGD's rank) must be an integer >= 1, got {self.rank!r}")
-        if not (0.0 < self.ratio <= 1.0):
-            raise ConfigError(f"CompressionConfig.ratio (top-k's density) must be in (0, 1], got {self.ratio!r}")
-        if self.min_elements < 1:
-            raise ConfigError(f"CompressionConfig.min_elements must be >= 1, got {self.min_elements!r}")
-        if self.link is not None and not (self.link.beta > 0 and self.link.alpha >= 0):
-            raise ConfigError(f"CompressionConfig.link needs beta > 0 and alpha >= 0, got {self.link}")
-        if self.compute is not None:
-            known = {s.value for s in LOSSY_SCHEMES}
-            if not set(self.compute) <= known or not all(len(ab) == 2 and min(ab) >= 0 for ab in self.compute.values()):
-                raise ConfigError(f"CompressionConfig.compute maps {sorted(known)} to (a >= 0, b >= 0) seconds, got {self.compute!r}")
-            self.compute = {k: (float(a), float(b)) for k, (a, b) in self.compute.items()}
-
-    @classmethod
-    def of(cls, value) -> Optional["CompressionConfig"]:
-        """``None``, a method name or a config, as ``Trainer(compression=...)`` takes it."""
-        if value is None or isinstance(value, CompressionConfig):
-            return value
-        if isinstance(value, (str, Compression)):
-            return cls(value)
-        raise ConfigError(f"compression must be None, a method name or a CompressionConfig, got {type(value).__name__}")
-
-    @property
-    def schemes(self) -> tuple:
-        """The lossy schemes this setting lets the planner use."""
-        from .cost import Scheme
-
-        if self.method is Compression.AUTO:
-            return (Scheme.FP16, Scheme.POWERSGD, Scheme.TOPK)
-        return (Scheme(self.method.value),)
-
-    def settings(self) -> str:
-        """What every rank must agree on, as JSON (its digest is checked at start-up)."""
-        link = None if self.link is None else [self.link.alpha, self.link.beta]
-        compute = None if self.compute is None else {k: list(v) for k, v in self.compute.items()}
-        return json.dumps({"method": self.method.value, "rank": self.rank, "ratio": self.ratio, "min_elements": self.min_elements, "link": link, "compute": compute}, sort_keys=True)
-
-
-# -- shapes -----------------------------------------------------------------------------------
-
-
-def matrix_of(shape: Sequence[int]) -> tuple:
-    """A parameter of >= 2 dimensions as a matrix: a Linear's (out, in), a convolution's
-    (out_channels, in_channels x kh x kw), an embedding's (rows, dim)."""
-    return int(shape[0]), int(math.prod(shape[1:]))
-
-
-def split_shapes(shapes: Sequence[Sequence[int]]) -> tuple:
-    """``(matrices [(m, n)], vector elements)``: what a layer's parameters are to the lossy schemes."""
-    mats = [matrix_of(s) for s in shapes if len(s) >= 2]
-    vec = sum(int(math.prod(s)) for s in shapes if len(s) < 2)
-    return mats, vec
-
-
-def topk_count(size: int, ratio: float) -> int:
-    """k for ``size`` matrix elements: at least one, at most all.
-
-    >>> topk_count(65536, 0.01), topk_count(50, 0.01)
-    (656, 1)
-    """
-    return max(1, min(size, math.ceil(ratio * size)))
+from ..plan.cost import LOSSY_SCHEMES, Scheme
+from ..plan.lossy import CompressionConfig, ComputeCosts, matrix_of, topk_count
+from ..wire import half
 
 
 # -- the shared arithmetic --------------------------------------------------------------------
@@ -443,3 +318,63 @@ class TopKStep:
             outs[i] = dense[offset : offset + n].reshape(self.shapes[i])
             offset += n
         return outs
+
+
+# -- the start-up measurement ----------------------------------------------------------------
+
+# Elements of the start-up measurement: a 64 x 64 and a 256 x 256 matrix. Large enough that the
+# per-element slope is not lost in call overhead, small enough that all three schemes at both
+# sizes, best of 3, take tens of milliseconds.
+CALIBRATION_ELEMENTS = (4096, 65536)
+
+
+def measure_compute(config: CompressionConfig, sizes=CALIBRATION_ELEMENTS, repeats: int = 3) -> ComputeCosts:
+    """Time each lossy scheme's arithmetic on this machine at ``sizes`` elements (square
+    matrices), best of ``repeats``, and fit ``a + b x elements`` through the two smallest.
+
+    What is timed is the code the syncers run for one layer: fp16's encode and decode twice (its
+    contribution and the mean), PowerSGD's three stages with a rank-order mean standing in for
+    each all-reduce, top-k's selection and its rank-order sum of two ranks' parts.
+
+    Returns:
+        :class:`~poseidon_aio.plan.lossy.ComputeCosts` with a fit per lossy scheme (times vary run to run: the trainer
+        uses rank 0's on every rank).
+
+    >>> sorted(measure_compute(CompressionConfig(), sizes=(64, 256), repeats=1).fits)
+    ['fp16', 'powersgd', 'topk']
+    """
+    rng = np.random.default_rng(0)
+    samples: dict = {s.value: [] for s in LOSSY_SCHEMES}
+    for size in sorted(sizes)[:2]:
+        side = max(1, int(round(size**0.5)))
+        grads = [rng.standard_normal((side, side), dtype=np.float32), rng.standard_normal(side, dtype=np.float32)]
+        flat = np.concatenate([g.reshape(-1) for g in grads])
+        elements = side * side
+
+        def fp16() -> None:
+            for _ in range(2):
+                half.expand(half.encode(flat))
+
+        def powersgd() -> None:
+            step = PowerSGDStep("calibration", grads, config.rank, Feedback())
+            q = step.middle(rank_order_mean([step.begin()]))
+            step.finish(rank_order_mean([q]))
+
+        def topk() -> None:
+            step = TopKStep("calibration", grads, config.ratio, Feedback())
+            mine = step.begin()
+            step.finish([mine, mine])
+
+        for scheme, fn in ((Scheme.FP16, fp16), (Scheme.POWERSGD, powersgd), (Scheme.TOPK, topk)):
+            best = float("inf")
+            for _ in range(repeats):
+                started = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - started)
+            samples[scheme.value].append((elements, best))
+    fits = {}
+    for scheme, points in samples.items():
+        (x1, t1), (x2, t2) = points[0], points[-1]
+        b = max(0.0, (t2 - t1) / (x2 - x1)) if x2 > x1 else 0.0
+        fits[scheme] = (max(0.0, t1 - b * x1), b)
+    return ComputeCosts(fits)

@@ -30,8 +30,9 @@ import numpy as np
 
 from ..errors import ConfigError, SyncTimeout
 from ..net.loop import Offload
+from ..plan.lossy import CompressionConfig
 from ..wire import Kind
-from .compress import CompressionConfig, Feedback
+from .compress import Feedback
 
 LAYER_SHIFT = 16
 PHASE_SHIFT = 14
@@ -250,10 +251,6 @@ class LossySyncer:
     in the bucket's host outs.
     """
 
-    # fp16's payload is cut to one layer: its scale is its chunk's largest value (merged, a layer
-    # of small gradients would share a large one's scale and lose their low bits). PowerSGD and
-    # top-k merge, each keeping per-layer state inside the message, and say so.
-    mergeable = False
     host_outs = True
 
     def __init__(self, mesh: MeshExchange, config, feedback) -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..plan.cost import Scheme
 from ..wire import half
-from .cost import Scheme
 from .exchange import LossySyncer
 from .syncer import Syncer, SyncResult, register
 
@@ -24,7 +24,7 @@ PHASE = 0
 class HalfSyncer(LossySyncer, Syncer):
     """Args:
         mesh: the worker's :class:`~poseidon_aio.sync.exchange.MeshExchange`.
-        config: the job's :class:`~poseidon_aio.sync.compress.CompressionConfig` (unused: fp16
+        config: the job's :class:`~poseidon_aio.plan.lossy.CompressionConfig` (unused: fp16
             has no setting).
         feedback: the worker's error-feedback state (unused: fp16 keeps none).
     """

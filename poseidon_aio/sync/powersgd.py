@@ -9,14 +9,14 @@ floats instead of mn: a 512 x 4608 convolution at r = 4 sends 20 480 floats, not
 
 Such messages are small, so their start-up (two rounds of the mesh, three hops to the compute
 thread) weighs: MG-WFBP merges consecutive PowerSGD layers like exact ones, its message size a
-layer's factor bytes (``lossyplan.message_bytes``), its start-up two rounds'.
+layer's factor bytes (``plan.lossy.message_bytes``), its start-up two rounds'.
 """
 
 from __future__ import annotations
 
+from ..plan.cost import Scheme
 from ..wire import lowrank
 from .compress import PowerSGDStep
-from .cost import Scheme
 from .exchange import LossySyncer
 from .syncer import Syncer, SyncResult, register
 
@@ -27,15 +27,14 @@ PHASE_P, PHASE_Q = 0, 1
 class PowerSGDSyncer(LossySyncer, Syncer):
     """Args:
         mesh: the worker's :class:`~poseidon_aio.sync.exchange.MeshExchange`.
-        config: the job's :class:`~poseidon_aio.sync.compress.CompressionConfig` (its ``rank``).
+        config: the job's :class:`~poseidon_aio.plan.lossy.CompressionConfig` (its ``rank``).
         feedback: the worker's error-feedback state (errors and warm-started Q per layer).
     """
 
+    # MG-WFBP may merge consecutive PowerSGD layers (``Scheme.mergeable``): one P and one Q
+    # all-reduce for the group (as DDP's hook does per bucket), the state still per layer
+    # (``PowerSGDStep``'s members). P, then Q from it: a message starts up twice (``Scheme.rounds``).
     scheme = Scheme.POWERSGD
-    # MG-WFBP may merge consecutive PowerSGD layers: one P and one Q all-reduce for the group (as
-    # DDP's hook does per bucket), the state still per layer (``PowerSGDStep``'s members).
-    mergeable = True
-    rounds = 2  # P, then Q from it: a message starts up twice
 
     async def _sync(self, bucket, clock: int) -> SyncResult:
         step = PowerSGDStep(bucket.label, bucket.grads, self.config.rank, self.feedback, bucket.members)

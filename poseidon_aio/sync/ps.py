@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+from ..plan.cost import Scheme
 from .bucket import Bucket
-from .cost import Scheme
 from .syncer import SyncContext, Syncer, SyncResult, register
 
 
@@ -19,7 +19,6 @@ class PSSyncer(Syncer):
 
     scheme = Scheme.PS
     on_ps = True
-    mergeable = True
 
     def __init__(self, client, index) -> None:
         self._client = client

@@ -7,7 +7,7 @@ indices (``wire/rows.py``), to every peer; every rank adds all ranks' rows in ra
 zeros and divides by P. That is the rank-order sum the dense all-reduce computes, a row left out
 being a row of zeros, so the result is exact and every replica holds the same bits. It costs
 ``K (N + 1) (P - 1)`` floats each way against ``2 M N (P - 1) / P`` for a dense all-reduce: the
-cost model (:func:`~poseidon_aio.sync.cost.predicted_time`) picks it where K is well below the
+cost model (:func:`~poseidon_aio.plan.cost.predicted_time`) picks it where K is well below the
 vocabulary, as a sparse variable's path is chosen apart from the dense ones in Parallax (Kim et
 al., EuroSys'19). The rows are found in the gradient itself, not in the batch's tokens: a row
 of a token whose gradient is exactly zero is not sent, and any use of the weight is covered.
@@ -20,9 +20,9 @@ import asyncio
 import numpy as np
 
 from ..errors import ConfigError
+from ..plan.cost import Scheme
 from ..wire import rows as wire_rows
 from .bucket import Bucket
-from .cost import Scheme
 from .exchange import MeshExchange
 from .syncer import SyncContext, Syncer, SyncResult, register
 

@@ -14,9 +14,9 @@ import time
 
 from ..errors import SyncTimeout
 from ..wire import Kind
+from ..plan.cost import Scheme
 from ..wire import factors
 from .bucket import Bucket
-from .cost import Scheme
 from .syncer import SyncContext, Syncer, SyncResult, register
 
 
@@ -31,7 +31,6 @@ class SFBSyncer(Syncer):
     """
 
     scheme = Scheme.SFB
-    captures_factors = True
     host_outs = False  # the reconstruction kernel writes the (device) tensors
 
     def __init__(self, rank: int, world: int, peers, reconstruct, executor, timeout: float) -> None:

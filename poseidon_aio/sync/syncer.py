@@ -6,12 +6,13 @@ says, as class attributes, what it needs of the layers above and below it:
 
 * ``on_ps``: its layers' parameters are key-value pairs of the parameter server;
 * ``factored``: the parameter server rebuilds them from sufficient factors (Project Adam);
-* ``captures_factors``: the backward hooks keep the layer's ``(u, v)``, not its weight gradient;
-* ``mergeable``: MG-WFBP may merge consecutive layers' buckets into one (:class:`Merging`);
-* ``rounds``: the rounds of messages a bucket's sync runs one after the other (PowerSGD: P, then
-  Q from it); MG-WFBP charges a message that many start-ups;
 * ``host_outs``: the results arrive over the wire into host buffers (the trainer copies them to
   a GPU tensor afterwards); a scheme that computes them (SFB's reconstruction) gets the tensors.
+
+What the planners also need to know, ``captures_factors`` (the backward hooks keep the layer's
+``(u, v)``, not its weight gradient), ``mergeable`` (MG-WFBP may merge consecutive layers'
+buckets into one, :class:`Merging`) and ``rounds`` (the rounds of messages a bucket's sync runs
+one after the other), each syncer class takes from its :class:`~poseidon_aio.plan.cost.Scheme`.
 
 A scheme is added by writing its class and listing it in :data:`SYNCERS`; the trainer, the
 information book and the cost model's explain read these attributes.
@@ -25,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, ClassVar, Mapping, Optional
 
 from ..errors import ConfigError
+from ..plan.cost import Scheme
 from .bucket import Bucket
-from .cost import Scheme
 
 
 @dataclass(slots=True)
@@ -56,8 +57,8 @@ class SyncContext:
             (the trainer passes torch's or CuPy's; ``sync`` itself stays torch-free).
         executor: the thread reconstructions run on.
         chunk_bytes: the largest message a scheme sends at once (``PSConfig.chunk_bytes``).
-        allreduce: how all-reduce buckets move, ``"auto"``, ``"ring"`` or ``"direct"`` (``PSConfig.allreduce``).
-        compression: the lossy schemes' settings (``sync.compress.CompressionConfig``).
+        allreduce: how all-reduce buckets move, ``"auto"``, ``"ring"`` or ``"direct"`` (``AllReduceConfig.algorithm``).
+        compression: the lossy schemes' settings (``plan.lossy.CompressionConfig``).
         feedback: this worker's error-feedback state (``sync.compress.Feedback``), kept by the
             trainer across syncer rebuilds and in its checkpoints.
     """
@@ -86,6 +87,14 @@ class Syncer(abc.ABC):
     mergeable: ClassVar[bool] = False
     rounds: ClassVar[int] = 1
     host_outs: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        scheme = cls.__dict__.get("scheme")
+        if scheme is not None:  # the planners read these of the scheme: one place for both
+            cls.captures_factors = scheme.captures_factors
+            cls.mergeable = scheme.mergeable
+            cls.rounds = scheme.rounds
 
     @classmethod
     @abc.abstractmethod

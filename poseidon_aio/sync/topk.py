@@ -14,9 +14,9 @@ message (``wire/sparse.py``), each layer selected on its own.
 from __future__ import annotations
 
 from ..errors import ConfigError
+from ..plan.cost import Scheme
 from ..wire import sparse
 from .compress import TopKStep
-from .cost import Scheme
 from .exchange import LossySyncer
 from .syncer import Syncer, SyncResult, register
 
@@ -27,16 +27,16 @@ PHASE = 2
 class TopKSyncer(LossySyncer, Syncer):
     """Args:
         mesh: the worker's :class:`~poseidon_aio.sync.exchange.MeshExchange`.
-        config: the job's :class:`~poseidon_aio.sync.compress.CompressionConfig` (its ``ratio``).
+        config: the job's :class:`~poseidon_aio.plan.lossy.CompressionConfig` (its ``ratio``).
         feedback: the worker's error-feedback state (the error per layer).
     """
 
+    # MG-WFBP may merge consecutive top-k layers into one all-gather (``Scheme.mergeable``). Each
+    # layer keeps its own k and error (a TopKStep per member, keyed by its name): the same bits and
+    # state however the layers are grouped; only the messages are fewer. A top-k message is a few
+    # KB, so what it costs is its start-up: the loop's CPU and the kernel's per send, (P - 1) sends
+    # a message.
     scheme = Scheme.TOPK
-    # MG-WFBP may merge consecutive top-k layers into one all-gather. Each layer keeps its own k
-    # and error (a TopKStep per member, keyed by its name): the same bits and state however the
-    # layers are grouped; only the messages are fewer. A top-k message is a few KB, so what it
-    # costs is its start-up: the loop's CPU and the kernel's per send, (P - 1) sends a message.
-    mergeable = True
 
     async def _sync(self, bucket, clock: int) -> SyncResult:
         if sum(count for _, count in bucket.members) != len(bucket.grads):

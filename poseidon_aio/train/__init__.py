@@ -2,7 +2,9 @@
 that knows torch.nn)."""
 
 from .layers import Layer, discover
+from .settings import OptimizerConfig
+from .step import StepStats
 from .trace import TraceConfig
-from .trainer import StepStats, Trainer
+from .trainer import Trainer
 
-__all__ = ["Layer", "StepStats", "TraceConfig", "Trainer", "discover"]
+__all__ = ["Layer", "OptimizerConfig", "StepStats", "TraceConfig", "Trainer", "discover"]

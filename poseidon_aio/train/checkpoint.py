@@ -24,7 +24,7 @@ from ..ps.checkpoint import fsync_dir, newest_common, write_atomic
 
 FORMAT = 1
 
-__all__ = ["complete_clocks", "newest_common", "prune", "read", "write"]
+__all__ = ["complete_clocks", "load", "newest_common", "newest_everywhere", "prune", "read", "snapshot", "write"]
 
 
 def _step_dir(root: str, clock: int) -> Path:
@@ -98,3 +98,47 @@ def prune(root: str, rank: int, keep: int) -> None:
             where.rmdir()  # the last rank out removes the step (ranks may share one directory)
         except OSError:
             pass
+
+
+async def newest_everywhere(directory: str, rendezvous, rank: int, world: int, model_digest: str, run) -> int:
+    """The newest clock at which every rank has a complete checkpoint of this model in
+    ``directory``, agreed through ``rendezvous`` (``await run(fn, *args)`` does the file work).
+
+    Raises:
+        CheckpointError: no clock every rank has (the message names each rank's clocks).
+    """
+    mine = await run(complete_clocks, directory, rank, world, model_digest)
+    seen = await rendezvous.exchange("restore/clocks", json.dumps(mine), range(world))
+    by_rank = {r: json.loads(text) for r, text in seen.items()}
+    clock = newest_common(by_rank)
+    if clock is None:
+        raise CheckpointError(
+            f"rank {rank}: no checkpoint of this model and world size ({world}) in {directory} that every rank has "
+            f"(complete clocks per rank: {by_rank})"
+        )
+    return clock
+
+
+def snapshot(clock: int, model, optimizer, plans: dict, merge_info: dict, compression: dict) -> dict:
+    """One rank's state at ``clock``: the model, the optimizer, torch's RNG, the communication
+    ``plans`` (``{"schemes": {layer: scheme}, "groups": {scheme: [[layer]]}, "shard": {name:
+    array}}``: the scheme plan, the merge plans in force, the hosted shard's server-side state),
+    the merge plan's figures and the lossy schemes' error feedback."""
+    return {
+        "clock": clock,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "rng": torch.get_rng_state(),
+        "schemes": plans["schemes"],
+        "groups": plans["groups"],
+        "merge_info": json.dumps(merge_info),
+        "shard": {k: torch.from_numpy(v) for k, v in plans["shard"].items()},
+        "compression": compression,
+    }
+
+
+def load(state: dict, model, optimizer) -> None:
+    """Put a :func:`snapshot`'s model, optimizer and RNG state back."""
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])

@@ -13,8 +13,9 @@ from typing import Awaitable, Callable, Optional
 import torch
 
 from ..errors import CheckpointError
-from ..sync import LOSSY_SCHEMES, CompressionConfig, ComputeCosts, Feedback, LossyPlanner, PlanLayer, Scheme, measure_compute
-from ..sync.lossyplan import message_bytes as lossy_bytes
+from ..plan import LOSSY_SCHEMES, CompressionConfig, ComputeCosts, LossyPlanner, PlanLayer, Scheme
+from ..plan.lossy import message_bytes as lossy_bytes
+from ..sync import Feedback, measure_compute
 from .layers import Layer
 
 log = logging.getLogger("poseidon_aio.train")

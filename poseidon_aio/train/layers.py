@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..sync.cost import LayerKind, LayerShape
+from ..plan.cost import LayerKind, LayerShape
 
 
 @dataclass

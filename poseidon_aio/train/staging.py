@@ -2,7 +2,7 @@
 
 The network layers below read and write host memory (NumPy arrays). A CPU tensor is its own host
 buffer: ``tensor.numpy()`` shares its memory, nothing is copied. A CUDA tensor gets a page-locked
-(pinned) host buffer of its size, kept from step to step (pinning is slow: ~1 ms per MiB, once);
+(pinned) host buffer of its size, kept from step to step (pinning is slow, so it is done once);
 device-to-host copies run on a side CUDA stream that first waits for the event recorded when the
 gradient was produced, so they overlap the backward of lower layers; host-to-device copies of
 the aggregates run on the same stream and are waited for before the optimizer reads them.
@@ -70,7 +70,7 @@ class Staging:
         for it alone. Without one the copy waits for everything queued so far on the calling
         thread's current stream: a tensor made after the event (a ``cat`` of factors, a cast)
         would otherwise be copied before a kernel has written it."""
-        if not self.staged(tensor):  # a gradient needs no detach (1 us a call, every parameter every step)
+        if not self.staged(tensor):  # a gradient needs no detach (a call saved per parameter per step)
             return (tensor.detach() if tensor.requires_grad else tensor).numpy()
         buf = self.buffer(slot, tensor)
         if on_gpu(tensor):

@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import ConfigError, PoseidonError, SyncTimeout
-from ..sync.cost import Scheme
+from ..plan.cost import Scheme
 from ..wire import DType, Kind
 
 log = logging.getLogger("poseidon_aio.train")

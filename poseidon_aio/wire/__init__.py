@@ -14,6 +14,7 @@ from . import codec as _pycodec
 from .codec import byte_view
 from .layout import (
     DEFAULT_MAX_PAYLOAD,
+    DTYPE_BY_NAME,
     HEADER_SIZE,
     INITIAL_PAYLOAD_BUFFER,
     ITEMSIZE,
@@ -23,6 +24,7 @@ from .layout import (
     Frame,
     Header,
     Kind,
+    wire_dtype,
 )
 
 CODECS = {"python": _pycodec}
@@ -47,6 +49,7 @@ __all__ = [
     "CODEC",
     "CODECS",
     "DEFAULT_MAX_PAYLOAD",
+    "DTYPE_BY_NAME",
     "HEADER_SIZE",
     "INITIAL_PAYLOAD_BUFFER",
     "ITEMSIZE",
@@ -56,6 +59,7 @@ __all__ = [
     "Frame",
     "Header",
     "Kind",
+    "wire_dtype",
     "encode_header",
     "decode_header",
     "frame_parts",

@@ -21,8 +21,10 @@ This module is shared by both codecs; it imports nothing from asyncio, socket or
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 from dataclasses import dataclass
+from typing import Optional
 
 MAGIC = b"PSDN"
 VERSION = 1
@@ -87,20 +89,47 @@ class DType(enum.IntEnum):
     JSON = 9
 
 
-ITEMSIZE = {
-    DType.BYTES: 1,
-    DType.FLOAT32: 4,
-    DType.FLOAT64: 8,
-    DType.FLOAT16: 2,
-    DType.BFLOAT16: 2,
-    DType.INT32: 4,
-    DType.INT64: 8,
-    DType.UINT8: 1,
-    DType.INT8: 1,
-    DType.JSON: 1,
+# The one table of payload types: each one's item size, and NumPy's name for it (an array's
+# ``dtype.name``, a manifest's "float32"), None where NumPy has no such type or it is no array.
+_DTYPES = {
+    DType.BYTES: (1, None),
+    DType.FLOAT32: (4, "float32"),
+    DType.FLOAT64: (8, "float64"),
+    DType.FLOAT16: (2, "float16"),
+    DType.BFLOAT16: (2, None),  # NumPy has no bfloat16
+    DType.INT32: (4, "int32"),
+    DType.INT64: (8, "int64"),
+    DType.UINT8: (1, "uint8"),
+    DType.INT8: (1, "int8"),
+    DType.JSON: (1, None),
 }
+ITEMSIZE = {code: size for code, (size, _) in _DTYPES.items()}
 ITEMSIZE_BY_CODE = {int(k): v for k, v in ITEMSIZE.items()}
+DTYPE_BY_NAME = {name: code for code, (_, name) in _DTYPES.items() if name is not None}
 
+
+def wire_dtype(dtype, default: Optional[DType] = None) -> Optional[DType]:
+    """The wire type of an array's payload, from its NumPy dtype or a dtype's name.
+
+    Args:
+        dtype: ``array.dtype``, or a name such as ``"float32"``.
+        default: what to return where no wire type fits (another type, a non-native byte order).
+    Returns:
+        The :class:`DType`, or ``default``.
+
+    >>> wire_dtype("float16"), wire_dtype("bool", DType.BYTES)
+    (<DType.FLOAT16: 3>, <DType.BYTES: 0>)
+    """
+    found = _wire_dtype(dtype)
+    return default if found is None else found
+
+
+# Cached: a NumPy dtype's ``name`` is a Python property, slow for a lookup made per frame.
+@functools.lru_cache(maxsize=None)
+def _wire_dtype(dtype) -> Optional[DType]:
+    if not getattr(dtype, "isnative", True):
+        return None
+    return DTYPE_BY_NAME.get(getattr(dtype, "name", dtype))
 
 
 @dataclass(frozen=True, slots=True)

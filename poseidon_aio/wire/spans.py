@@ -4,8 +4,8 @@ with one receive, and nothing is scattered afterwards.
 The trainer keeps the results of a step in one buffer per dtype, parameter after parameter (as
 DDP's ``gradient_as_bucket_view`` does), so a merged message's keys, which are consecutive slices
 of consecutive parameters, are consecutive bytes too. Received through a staging buffer instead,
-the 2.6 MB message of the transformer in ``bench train`` cost a fresh buffer (a page fault per
-4 KiB) and a copy of its bytes, at the end of every step, on the critical path.
+a merged message costs a fresh buffer (a page fault per 4 KiB) and a copy of its bytes at the
+end of every step, on the critical path.
 """
 
 from __future__ import annotations

@@ -12,10 +12,8 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from ..errors import ConfigError
-from .compress import CompressionConfig
 from .cost import HYBCOMM_SCHEMES, LOSSY_SCHEMES, PAPER_SCHEMES, LayerKind, LayerShape, Link, Scheme, best_scheme, hybcomm_choice
-from .lossyplan import unsuited
-from .syncer import syncer_class
+from .lossy import CompressionConfig, unsuited
 
 
 class Mode(str, enum.Enum):
@@ -67,7 +65,7 @@ def choose_schemes(
         link: the measured alpha and beta (default: bytes only, as the paper counts).
         candidates: the schemes HybComm weighs in mode ``poseidon`` by their predicted time on
             ``link``; exactly the paper's (PS and SFB) is Algorithm 1 on bytes, as ATC'17 writes it.
-        compression: a :class:`~poseidon_aio.sync.lossyplan.LossyPlanner`: in mode ``poseidon``
+        compression: a :class:`~poseidon_aio.plan.lossy.LossyPlanner`: in mode ``poseidon``
             each layer's exact choice is then weighed against the lossy schemes (its rule).
         report: filled with ``{layer name: Weighing}`` (candidates, predicted times, choice).
     Raises:
@@ -83,7 +81,7 @@ def choose_schemes(
         want = overrides.get(layer.name)
         if want is not None:
             scheme = Scheme(want)
-            if syncer_class(scheme).captures_factors and not layer.factorable:
+            if scheme.captures_factors and not layer.factorable:
                 raise ConfigError(
                     f"layer {layer.name} ({layer.shape.kind.value}) cannot go by {scheme.value}: only an unshared "
                     "float32 nn.Linear has sufficient factors"
@@ -103,7 +101,7 @@ def choose_schemes(
             scheme = best_scheme(layer.shape.with_rows(rows[layer.name]), workers, shards) if factored else Scheme.PS
         elif mode is Mode.POSEIDON and workers > 1:
             # SFB needs factors (a factorable layer) and K (a layer the planning forward called).
-            usable = [c for c in candidates if not syncer_class(c).captures_factors or (layer.factorable and rows.get(layer.name))]
+            usable = [c for c in candidates if not Scheme(c).captures_factors or (layer.factorable and rows.get(layer.name))]
             usable = usable or [Scheme.PS]
             scheme = hybcomm_choice(layer.shape.with_rows(rows.get(layer.name, 0)), workers, shards, link=link, candidates=usable, chunk_bytes=chunk_bytes)
         else:

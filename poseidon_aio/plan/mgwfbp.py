@@ -52,8 +52,9 @@ def fit(sizes: Sequence[float], times: Sequence[float]) -> CommModel:
     slope, ``a`` what the smallest messages take beyond ``b p`` (their median).
 
     Sizes span three decades (4 KiB to 4 MiB): a least-squares intercept is what is left of the
-    largest messages' noise (4.5 ms a round trip at 1 Gbit, where a 4 KiB one takes ~0.3 ms),
-    while the slope is theirs to set; the start-up is the small messages' to set.
+    largest messages' noise, which can exceed a small message's whole time, while the slope is
+    theirs to set; the start-up is the small messages' to set (bench/RESULTS.md, "Training step
+    time vs DDP: a message's cost to the backward, and the 2-worker rows").
 
     >>> m = fit([1e3, 1e6, 4e6], [1e-4 + 1e-9 * x for x in (1e3, 1e6, 4e6)])
     >>> round(m.a * 1e6), round(m.b * 1e12)
@@ -187,8 +188,7 @@ def merge_plan(t_f: float, t_b: Sequence[float], sizes: Sequence[float], model: 
 def optimal_plan(t_f: float, t_b: Sequence[float], sizes: Sequence[float], model: CommModel) -> MergePlan:
     """The exact minimum of the same timeline over all merges of consecutive layers, in O(L^2).
 
-    Algorithm 1 is greedy and can miss the optimum (on random 2-8 layer cases we measured plans up
-    to 23 % slower than the best merge). Here: ``E[k]``, the earliest time the link is free after
+    Algorithm 1 is greedy and can miss the optimum. Here: ``E[k]``, the earliest time the link is free after
     sending layers k..L, is ``min over h >= k of max(E[h+1], ready[k]) + T(p[k] + ... + p[h])``
     with ``ready[k] = tau_b[k] + t_b[k]``; a group [k..h] goes once its lowest layer k is ready.
     An earlier free link never delays anything after it, so minimizing ``E`` layer by layer is
@@ -304,12 +304,12 @@ def tapered_plan(
     layers nearest the input, up to ``first_bytes`` (at least one layer), become the last message,
     and the rest of the bucket goes as soon as its own lowest layer is ready.
 
-    The bucket nearest the input is ready only when the backward ends, so all of it is exposed:
-    on ResNet-152 at 8 emulated workers, 12.5 MiB round a ring after a backward during whose last
-    30 ms the link was idle (bench/RESULTS.md). DDP keeps its first bucket small so the link
-    starts early; this keeps the last one small so it finishes early. Like :func:`bucket_plan` it
-    needs no timeline, so it holds where the planners' model is off: with the link's per-byte
-    cost misjudged by 20 % either way near saturation, their plans lose to DDP's buckets.
+    The bucket nearest the input is ready only when the backward ends, so all of it is exposed
+    while the link may have idled before it. DDP keeps its first bucket small so the link starts
+    early; this keeps the last one small so it finishes early. Like :func:`bucket_plan` it needs
+    no timeline, so it holds where the planners' model is off: near a saturated link their plans
+    lose to DDP's buckets once the per-byte cost is misjudged (bench/RESULTS.md, "Tapered buckets:
+    ResNet-152 ahead of DDP at 8 and 16 workers; why the planners' plans lose there").
 
     >>> tapered_plan(0.0, [1e-4] * 4, [600e3] * 4, CommModel(a=1e-3, b=1e-9)).groups
     ((1,), (2,), (3, 4))

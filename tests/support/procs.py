@@ -1,5 +1,5 @@
 """Entry points of the child processes the integration tests start (from the fork server of
-``tests.cluster.mp_context``, never a fork of the test process).
+``tests.support.cluster.mp_context``, never a fork of the test process).
 
 Each child runs its own event loop (uvloop through ``poseidon_aio.net.run``), reports its bound
 port through a ``multiprocessing`` pipe (a test harness channel, never the data path), and reports
@@ -18,7 +18,7 @@ from poseidon_aio.wire import Kind
 
 from .cluster import mp_context
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parent.parent / "data"
 TOKEN = b"poseidon-test-token-0123456789ab"
 
 

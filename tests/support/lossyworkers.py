@@ -1,4 +1,4 @@
-"""Worker bodies for the compression tests across real processes (run in child processes forked from the tests' fork server, tests/cluster.py)."""
+"""Worker bodies for the compression tests across real processes (run in child processes forked from the tests' fork server, tests/support/cluster.py)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def lossy_checkpoint_worker(rank: int, runs: list, seed: int, steps: int):
     import poseidon_aio
     from poseidon_aio.cluster import ClusterEnv, Rendezvous
     from poseidon_aio.ps import PSConfig
-    from poseidon_aio.sync import CompressionConfig, Link
+    from poseidon_aio.plan import CompressionConfig, Link
 
     torch.set_num_threads(1)
 

@@ -36,12 +36,12 @@ PRELOAD = [
     "numpy",
     "poseidon_aio.train",
     "poseidon_aio.ps",
-    "tests.procs",
-    "tests.psworkers",
-    "tests.trainworkers",
-    "tests.lossyworkers",
-    "tests.faultworkers",
-    "tests.rdzvworkers",
+    "tests.support.procs",
+    "tests.support.psworkers",
+    "tests.support.trainworkers",
+    "tests.support.lossyworkers",
+    "tests.support.faultworkers",
+    "tests.support.rdzvworkers",
 ]
 
 

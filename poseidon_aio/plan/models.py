@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import Callable, Dict, NamedTuple, Sequence, Tuple
 
 from ..errors import ConfigError
-from .manifest import Manifest, ParamSpec
+from ..cluster.manifest import Manifest, ParamSpec
 
 # Forward FLOPs per element of a batch norm: mean, variance, normalize, scale and shift.
 BN_FLOPS_PER_ELEMENT = 8

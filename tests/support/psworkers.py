@@ -1,4 +1,4 @@
-"""Worker bodies for the parameter-server integration tests (run in child processes forked from the tests' fork server, tests/cluster.py)."""
+"""Worker bodies for the parameter-server integration tests (run in child processes forked from the tests' fork server, tests/support/cluster.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import hashlib
 
 import numpy as np
 
-from poseidon_aio.cluster import Manifest, ParamSpec
+from poseidon_aio.cluster import Manifest, ParamSpec, StartupConfig
 from poseidon_aio.net import run
 from poseidon_aio.ps import PSConfig, PSNode
 
@@ -131,7 +131,7 @@ def sgd_worker(rank: int, shapes, config: PSConfig, clocks: int, crash_at):
 
 def mismatch_worker(rank: int, shapes_by_rank):
     async def main():
-        async with await PSNode.start(manifest_of(shapes_by_rank[rank]), PSConfig(rendezvous_timeout=20)):
+        async with await PSNode.start(manifest_of(shapes_by_rank[rank]), PSConfig(), startup=StartupConfig(timeout=20)):
             pass
 
     return run(main())

@@ -1,4 +1,4 @@
-"""Models, data and worker bodies for the trainer tests (run in child processes forked from the tests' fork server, tests/cluster.py)."""
+"""Models, data and worker bodies for the trainer tests (run in child processes forked from the tests' fork server, tests/support/cluster.py)."""
 
 from __future__ import annotations
 
@@ -117,7 +117,9 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
     import poseidon_aio
     from poseidon_aio.cluster import ClusterEnv, Rendezvous
     from poseidon_aio.ps import PSConfig
-    from poseidon_aio.sync import MergeConfig
+    from poseidon_aio.plan import MergeConfig
+    from poseidon_aio.sync import AllReduceConfig
+    from poseidon_aio.train import OptimizerConfig
 
     torch.set_num_threads(1)
 
@@ -129,6 +131,10 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
             merge = rest[0] if rest else None
             extra = dict(rest[1]) if len(rest) > 1 else {}
             ps = PSConfig(**{**ps_kwargs, **extra.pop("ps", {})})
+            if "allreduce" in extra:
+                extra["allreduce"] = AllReduceConfig(extra["allreduce"])
+            if "early_step_bytes" in extra:
+                extra["optimizer_config"] = OptimizerConfig(early_step_bytes=extra.pop("early_step_bytes"))
             model = build_model(spec, seed + (rank if label == "skewed" else 0))
             device = torch.device(extra.pop("device", "cpu"))
             force_staging = extra.pop("force_staging", False)
@@ -161,13 +167,14 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
             if force_staging:  # the GPU path's host buffers and copies, on CPU tensors
                 from poseidon_aio.train.staging import Staging
 
-                trainer.staging, trainer._gpu = Staging(force=True), True
+                trainer.staging = Staging(force=True)
             stats = []
             async with trainer:
                 for t in range(steps):
                     x, y = batch(spec, seed, rank, t, size)
                     stats.append(await trainer.step((x.to(device), y.to(device))))
-                book = trainer._node.book if trainer._node is not None else None
+                node = trainer._planning.node
+                book = node.book if node is not None else None
             out[label] = {
                 "shard_bytes": book.shard_bytes() if book is not None else None,
                 "params": [p.detach().cpu().numpy().copy() for p in model.parameters()],
@@ -223,7 +230,8 @@ def tricky_single(seed: int, workers: int, steps: int, size: int, staleness: int
 def tricky_worker(rank: int, seed: int, steps: int, size: int, staleness: int, mode: str, merge=None, early=False):
     import poseidon_aio
     from poseidon_aio.ps import PSConfig
-    from poseidon_aio.sync import MergeConfig
+    from poseidon_aio.plan import MergeConfig
+    from poseidon_aio.train import OptimizerConfig
 
     torch.set_num_threads(1)
     torch.manual_seed(seed + rank)  # different start on every rank: rank 0's must win
@@ -236,7 +244,8 @@ def tricky_worker(rank: int, seed: int, steps: int, size: int, staleness: int, m
         overlaps = []
         async with poseidon_aio.Trainer(
             # early: the optimizer steps each sync's parameters as it lands, however small
-            model, opt, nn.functional.cross_entropy, mode=mode, ps=PSConfig(staleness=staleness, early_step_bytes=1 if early else PSConfig.early_step_bytes),
+            model, opt, nn.functional.cross_entropy, mode=mode, ps=PSConfig(staleness=staleness),
+            optimizer_config=OptimizerConfig(early_step_bytes=1) if early else None,
             schemes={"shared": "sfb"} if mode == "poseidon" else None,
             # merged: a group holding a layer that never reports (``unused``) still goes out
             merge=MergeConfig(kind=merge, after=1, calibration_sizes=(4096, 65536), trial=0) if merge else None,
@@ -285,6 +294,7 @@ def budget_worker(rank: int, bandwidth: float):
     """A trainer under the bandwidth manager's per-process budget."""
     import poseidon_aio
     from poseidon_aio.net import ShaperConfig
+    from poseidon_aio.net.credentials import config_from_env
 
     torch.set_num_threads(1)
     spec = {"kind": "mlp", "inputs": 64, "hidden": [256], "classes": 4}
@@ -292,7 +302,7 @@ def budget_worker(rank: int, bandwidth: float):
 
     async def main():
         steps = []
-        async with poseidon_aio.Trainer(model, make_optimizer(model), nn.functional.cross_entropy, mode="wfbp", bandwidth=ShaperConfig(egress_rate=bandwidth)) as trainer:
+        async with poseidon_aio.Trainer(model, make_optimizer(model), nn.functional.cross_entropy, mode="wfbp", net=config_from_env(bandwidth=ShaperConfig(egress_rate=bandwidth))) as trainer:
             for t in range(3):
                 steps.append(await trainer.step(batch(spec, 1, rank, t, 4)))
         return [p.detach().numpy().copy() for p in model.parameters()], [s.step_s for s in steps], [s.bytes["ps"] for s in steps]
@@ -440,7 +450,7 @@ def checkpoint_worker(rank: int, runs: list, seed: int, steps: int):
     import poseidon_aio
     from poseidon_aio.cluster import ClusterEnv, Rendezvous
     from poseidon_aio.ps import PSConfig, ServerSGD
-    from poseidon_aio.sync import MergeConfig
+    from poseidon_aio.plan import MergeConfig
 
     torch.set_num_threads(1)
 

@@ -5,7 +5,7 @@ one TCPStore for the pool's whole life and run one :class:`Case` at a time, each
 loop under its own key prefix (``Rendezvous.scoped``): a case that fails leaves nothing behind
 for the next, and each case runs on warm processes instead of three fresh ones (2-3 s each on two
 cores). Every rank hosts one shard (the co-located default); a case names which rank's connection
-to which remote shard goes through a :class:`~tests.faultproxy.FaultProxy`, which runs on that
+to which remote shard goes through a :class:`~tests.support.faultproxy.FaultProxy`, which runs on that
 rank's own loop.
 
 Cases and outcomes travel over multiprocessing queues: a test harness channel, never the data path.
@@ -75,7 +75,6 @@ def ps_config() -> PSConfig:
         chunk_bytes=CHUNK_BYTES,
         server_sgd=ServerSGD(lr=0.05, momentum=0.9, weight_decay=1e-4),
         sync_timeout=SYNC_TIMEOUT,
-        rendezvous_timeout=RENDEZVOUS_TIMEOUT,
     )
 
 

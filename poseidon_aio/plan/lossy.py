@@ -1,4 +1,4 @@
-"""The planner's side of compression: what a lossy scheme costs a layer, and when it wins.
+"""The planner's side of compression: its settings, what a lossy scheme costs a layer, and when it wins.
 
 Predicted seconds to sync one layer on a worker's link (``Link``: alpha per round of messages,
 beta per byte each way; P workers; the layer's matrices m_i x n_i with d = sum m_i n_i elements,
@@ -14,9 +14,9 @@ topk        alpha + beta (P - 1) x (4 e + 8 k),  k = ceil(ratio d)              
 
 (r_i = min(r, m_i, n_i).) The exact schemes' times are ``cost.predicted_time``'s, with no
 compute term: their one float32 addition per value is also in every lossy scheme's. The compute
-``c(x) = a + b x`` is measured once at start-up on this machine (:func:`measure_compute`: a
-small encode and decode per scheme at two sizes), rank 0's measurement shared with every rank so
-every rank makes the same plan.
+``c(x) = a + b x`` is measured once at start-up on this machine (``sync.compress.measure_compute``:
+a small encode and decode per scheme at two sizes), rank 0's measurement shared with every rank
+so every rank makes the same plan.
 
 The rule (:meth:`LossyPlanner.weigh`): a layer is *suited* to a lossy scheme when its
 parameters are float32, it has matrix parameters with at least ``min_elements`` (16384) elements
@@ -29,28 +29,145 @@ method, the layer takes it where suited, the exact choice elsewhere.
 
 from __future__ import annotations
 
+import enum
 import json
-import time
+import math
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
-
-import numpy as np
+from typing import Mapping, Optional, Sequence
 
 from ..errors import ConfigError
 from ..wire import half, sparse
-from .compress import Compression, CompressionConfig, Feedback, PowerSGDStep, TopKStep, rank_order_mean, split_shapes, topk_count
 from .cost import LOSSY_SCHEMES, LayerKind, Link, Scheme, predicted_time
-from .syncer import syncer_class
 
-# Elements of the start-up measurement: a 64 x 64 and a 256 x 256 matrix. Large enough that the
-# per-element slope is not lost in call overhead, small enough that all three schemes at both
-# sizes, best of 3, take tens of milliseconds.
-CALIBRATION_ELEMENTS = (4096, 65536)
+
+class Compression(str, enum.Enum):
+    """What ``Trainer(compression=...)`` asks for."""
+
+    AUTO = "auto"  # the planner weighs every lossy scheme beside the exact ones, per layer
+    FP16 = "fp16"
+    POWERSGD = "powersgd"
+    TOPK = "topk"
+
+
+# 16384 elements (64 KiB of float32). Below it a layer stays exact, for accuracy, not for time:
+# such layers are the ones that move a model most per element (the first convolution, small
+# heads; biases and norms have no matrix at all), and top-k at 1 % would keep fewer than 164 of
+# their values a step. The time given up is not nothing on a slow link: a 64 KiB layer's exact
+# ring all-reduce moves 2(P - 1)/P x 64 KiB each way, 7.9 ms at 100 Mbit and 0.8 ms at 1 Gbit
+# with 4 workers, of which a lossy scheme could save most; ``min_elements`` lowers the bar. A
+# bias inside a larger layer stays exact too (it rides uncompressed in PowerSGD's and top-k's
+# messages).
+MIN_ELEMENTS = 16384
+
+
+@dataclass
+class CompressionConfig:
+    """Lossy gradient compression, chosen per layer (opt-in; ``None`` keeps every layer exact).
+
+    Args:
+        method: ``"auto"`` (the planner weighs fp16, PowerSGD and top-k beside the exact schemes
+            by predicted time, per layer), or one method, used on every layer it suits (at least
+            ``min_elements`` elements of matrices, float32; PowerSGD only where its rank-r factors
+            are fewer floats than the matrix) and the exact schemes elsewhere.
+        rank: PowerSGD's rank r (Vogels et al. reach full accuracy at r = 2-4 on CIFAR-10
+            ResNet-18 and LSTMs; 4 leaves a margin).
+        ratio: top-k's density, k = ceil(ratio x elements) (1 %: Aji & Heafield 2017 and Stich
+            et al. 2018 train to full accuracy with error feedback at 1 % and below).
+        min_elements: matrix elements under which a layer stays exact (see ``MIN_ELEMENTS``).
+        link: plan as if each worker's link were this (``Link.of_bandwidth(12.5e6, 1e-4)``: 100
+            Mbit, 100 us per round) instead of the one measured at start-up: to study or test a
+            slow network from a fast one.
+        compute: plan with these compression compute costs, ``{"fp16" | "powersgd" | "topk":
+            (a seconds, b seconds per element)}``, instead of measuring them at start-up. The
+            measurement depends on the machine's load, so an ``"auto"`` plan is repeatable bit
+            for bit only with ``link`` and ``compute`` both given (the log prints the measured
+            ones to copy).
+
+    Raises:
+        ConfigError: an unknown method or a value out of range.
+
+    >>> CompressionConfig("powersgd", rank=2).method
+    <Compression.POWERSGD: 'powersgd'>
+    """
+
+    method: Compression | str = Compression.AUTO
+    rank: int = 4
+    ratio: float = 0.01
+    min_elements: int = MIN_ELEMENTS
+    link: Optional[Link] = None
+    compute: Optional[Mapping[str, tuple]] = None
+
+    def __post_init__(self) -> None:
+        try:
+            self.method = Compression(self.method)
+        except ValueError:
+            raise ConfigError(f"compression must be one of {[c.value for c in Compression]} or None, got {self.method!r}") from None
+        if not (isinstance(self.rank, int) and self.rank >= 1):
+            raise ConfigError(f"CompressionConfig.rank (PowerSGD's rank) must be an integer >= 1, got {self.rank!r}")
+        if not (0.0 < self.ratio <= 1.0):
+            raise ConfigError(f"CompressionConfig.ratio (top-k's density) must be in (0, 1], got {self.ratio!r}")
+        if self.min_elements < 1:
+            raise ConfigError(f"CompressionConfig.min_elements must be >= 1, got {self.min_elements!r}")
+        if self.link is not None and not (self.link.beta > 0 and self.link.alpha >= 0):
+            raise ConfigError(f"CompressionConfig.link needs beta > 0 and alpha >= 0, got {self.link}")
+        if self.compute is not None:
+            known = {s.value for s in LOSSY_SCHEMES}
+            if not set(self.compute) <= known or not all(len(ab) == 2 and min(ab) >= 0 for ab in self.compute.values()):
+                raise ConfigError(f"CompressionConfig.compute maps {sorted(known)} to (a >= 0, b >= 0) seconds, got {self.compute!r}")
+            self.compute = {k: (float(a), float(b)) for k, (a, b) in self.compute.items()}
+
+    @classmethod
+    def of(cls, value) -> Optional["CompressionConfig"]:
+        """``None``, a method name or a config, as ``Trainer(compression=...)`` takes it."""
+        if value is None or isinstance(value, CompressionConfig):
+            return value
+        if isinstance(value, (str, Compression)):
+            return cls(value)
+        raise ConfigError(f"compression must be None, a method name or a CompressionConfig, got {type(value).__name__}")
+
+    @property
+    def schemes(self) -> tuple:
+        """The lossy schemes this setting lets the planner use."""
+        if self.method is Compression.AUTO:
+            return (Scheme.FP16, Scheme.POWERSGD, Scheme.TOPK)
+        return (Scheme(self.method.value),)
+
+    def settings(self) -> str:
+        """What every rank must agree on, as JSON (its digest is checked at start-up)."""
+        link = None if self.link is None else [self.link.alpha, self.link.beta]
+        compute = None if self.compute is None else {k: list(v) for k, v in self.compute.items()}
+        return json.dumps({"method": self.method.value, "rank": self.rank, "ratio": self.ratio, "min_elements": self.min_elements, "link": link, "compute": compute}, sort_keys=True)
+
+
+# -- shapes -----------------------------------------------------------------------------------
+
+
+def matrix_of(shape: Sequence[int]) -> tuple:
+    """A parameter of >= 2 dimensions as a matrix: a Linear's (out, in), a convolution's
+    (out_channels, in_channels x kh x kw), an embedding's (rows, dim)."""
+    return int(shape[0]), int(math.prod(shape[1:]))
+
+
+def split_shapes(shapes: Sequence[Sequence[int]]) -> tuple:
+    """``(matrices [(m, n)], vector elements)``: what a layer's parameters are to the lossy schemes."""
+    mats = [matrix_of(s) for s in shapes if len(s) >= 2]
+    vec = sum(int(math.prod(s)) for s in shapes if len(s) < 2)
+    return mats, vec
+
+
+def topk_count(size: int, ratio: float) -> int:
+    """k for ``size`` matrix elements: at least one, at most all.
+
+    >>> topk_count(65536, 0.01), topk_count(50, 0.01)
+    (656, 1)
+    """
+    return max(1, min(size, math.ceil(ratio * size)))
 
 
 @dataclass(frozen=True)
 class ComputeCosts:
-    """Compression compute per sync and worker: ``a + b x elements`` seconds, per lossy scheme.
+    """Compression compute per sync and worker: ``a + b x elements`` seconds, per lossy scheme
+    (``sync.compress.measure_compute`` measures it).
 
     ``ComputeCosts()`` is free compute (bytes and messages only).
 
@@ -72,65 +189,13 @@ class ComputeCosts:
         return cls({k: (float(a), float(b)) for k, (a, b) in json.loads(text).items()})
 
 
-def measure_compute(config: CompressionConfig, sizes=CALIBRATION_ELEMENTS, repeats: int = 3) -> ComputeCosts:
-    """Time each lossy scheme's arithmetic on this machine at ``sizes`` elements (square
-    matrices), best of ``repeats``, and fit ``a + b x elements`` through the two smallest.
-
-    What is timed is the code the syncers run for one layer: fp16's encode and decode twice (its
-    contribution and the mean), PowerSGD's three stages with a rank-order mean standing in for
-    each all-reduce, top-k's selection and its rank-order sum of two ranks' parts.
-
-    Returns:
-        :class:`ComputeCosts` with a fit per lossy scheme (times vary run to run: the trainer
-        uses rank 0's on every rank).
-
-    >>> sorted(measure_compute(CompressionConfig(), sizes=(64, 256), repeats=1).fits)
-    ['fp16', 'powersgd', 'topk']
-    """
-    rng = np.random.default_rng(0)
-    samples: dict = {s.value: [] for s in LOSSY_SCHEMES}
-    for size in sorted(sizes)[:2]:
-        side = max(1, int(round(size**0.5)))
-        grads = [rng.standard_normal((side, side), dtype=np.float32), rng.standard_normal(side, dtype=np.float32)]
-        flat = np.concatenate([g.reshape(-1) for g in grads])
-        elements = side * side
-
-        def fp16() -> None:
-            for _ in range(2):
-                half.expand(half.encode(flat))
-
-        def powersgd() -> None:
-            step = PowerSGDStep("calibration", grads, config.rank, Feedback())
-            q = step.middle(rank_order_mean([step.begin()]))
-            step.finish(rank_order_mean([q]))
-
-        def topk() -> None:
-            step = TopKStep("calibration", grads, config.ratio, Feedback())
-            mine = step.begin()
-            step.finish([mine, mine])
-
-        for scheme, fn in ((Scheme.FP16, fp16), (Scheme.POWERSGD, powersgd), (Scheme.TOPK, topk)):
-            best = float("inf")
-            for _ in range(repeats):
-                started = time.perf_counter()
-                fn()
-                best = min(best, time.perf_counter() - started)
-            samples[scheme.value].append((elements, best))
-    fits = {}
-    for scheme, points in samples.items():
-        (x1, t1), (x2, t2) = points[0], points[-1]
-        b = max(0.0, (t2 - t1) / (x2 - x1)) if x2 > x1 else 0.0
-        fits[scheme] = (max(0.0, t1 - b * x1), b)
-    return ComputeCosts(fits)
-
-
 def unsuited(layer, scheme: Scheme, config: CompressionConfig, *, forced: bool = False) -> Optional[str]:
     """Why ``layer`` (a ``PlanLayer``) cannot go by lossy ``scheme``, or ``None`` if it can.
 
     ``forced`` (a per-layer override): only what the scheme needs (float32 matrices), not the
     size threshold or PowerSGD's compression rate.
 
-    >>> from poseidon_aio.sync import LayerShape, PlanLayer
+    >>> from poseidon_aio.plan import LayerShape, PlanLayer
     >>> unsuited(PlanLayer(LayerShape("bn", "other", 128, 1), False, params=((64,), (64,))), Scheme.TOPK, CompressionConfig())
     'no matrix parameter (a bias, a norm)'
     """
@@ -225,7 +290,7 @@ class LossyPlanner:
         times = {}
         shape = layer.shape.with_rows(rows)
         for c in candidates:
-            if syncer_class(c).captures_factors and not (layer.factorable and rows):
+            if Scheme(c).captures_factors and not (layer.factorable and rows):
                 continue
             times[Scheme(c).value] = predicted_time(shape, Scheme(c), workers, shards, link, chunk_bytes=chunk_bytes)
         exact_t = times.get(exact.value)

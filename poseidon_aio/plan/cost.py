@@ -48,11 +48,35 @@ class Scheme(str, enum.Enum):
     ALLREDUCE = "allreduce"  # reduce-scatter + all-gather over the worker mesh
     ROWS = "rows"  # an embedding's touched rows, all-gathered (exact: the rows no token touched are zero)
     # Lossy (sync/compress.py): opt-in with Trainer(compression=...); their time model, which
-    # adds measured compute to alpha and beta, is sync/lossyplan.py's.
+    # adds measured compute to alpha and beta, is plan/lossy.py's.
     FP16 = "fp16"  # all-reduce with scaled half-precision payloads, fp32 sums
     POWERSGD = "powersgd"  # rank-r PowerSGD with error feedback (Vogels et al. 2019)
     TOPK = "topk"  # each rank's k largest entries, error feedback, all-gathered
 
+    @property
+    def captures_factors(self) -> bool:
+        """Its layers' backward keeps the sufficient factors ``(u, v)``, not the weight gradient."""
+        return self in FACTOR_SCHEMES
+
+    @property
+    def mergeable(self) -> bool:
+        """MG-WFBP may merge consecutive layers of this scheme into one message."""
+        return self in MERGEABLE_SCHEMES
+
+    @property
+    def rounds(self) -> int:
+        """Rounds of messages one sync runs one after the other: MG-WFBP charges that many start-ups."""
+        return ROUNDS.get(self, 1)
+
+
+# What the planners know of a scheme beyond its bytes. The syncers take these from here
+# (``sync.syncer.Syncer``), so the plan and the runtime cannot disagree.
+FACTOR_SCHEMES = frozenset({Scheme.SFB, Scheme.ADAM})
+# fp16 stays out: its scale is its chunk's largest value, and a layer of small gradients merged
+# with a large one would lose its low bits. PowerSGD and top-k keep their state per layer inside
+# the message, so merging only saves messages.
+MERGEABLE_SCHEMES = frozenset({Scheme.PS, Scheme.ALLREDUCE, Scheme.POWERSGD, Scheme.TOPK})
+ROUNDS = {Scheme.POWERSGD: 2}  # P, then Q from it
 
 PAPER_SCHEMES = (Scheme.PS, Scheme.SFB)  # what ATC'17's HybComm chooses between
 HYBCOMM_SCHEMES = (Scheme.PS, Scheme.SFB, Scheme.ALLREDUCE, Scheme.ROWS)
@@ -217,12 +241,9 @@ def predicted_time(layer: LayerShape, scheme: Scheme, workers: int, servers: int
     raise ConfigError(f"no time model for scheme {scheme.value!r}")
 
 
-# The smallest slice (bytes per rank) that the ``auto`` all-reduce sends round a ring. Measured
-# (bench/RESULTS.md, "All-reduce: ring or direct", 4 workers, tc-capped): a ring moves 64 MiB at
-# gloo's speed where the direct pattern's P - 1 flows each way lose 8-22 %, and the transformer
-# (slices of 49-128 KiB) steps 16 % faster round a ring at 100 Mbit, the same at 1 Gbit; the small
-# CNN (slices of at most 37 KiB) was no faster either way within its noise. Below this, the ring's
-# 2 (P - 1) steps in a row buy nothing.
+# The smallest slice (bytes per rank) that the ``auto`` all-reduce sends round a ring: from here
+# up one flow each way beats the direct pattern's P - 1 sharing a link; below it the ring's
+# 2 (P - 1) steps in a row buy nothing (bench/RESULTS.md, "All-reduce: ring or direct").
 RING_MIN_SLICE_BYTES = 64 << 10
 ALLREDUCE_ALGORITHMS = ("auto", "ring", "direct")
 
@@ -268,7 +289,7 @@ def hybcomm_choice(
 
 
 def layers_of_manifest(specs, rows: Optional[int] = None) -> list:
-    """Cost-model layers from a shapes-only manifest (``cluster.models``): 2-D ``.weight`` is FC."""
+    """Cost-model layers from a shapes-only manifest (``plan.models``): 2-D ``.weight`` is FC."""
     out, by_prefix = [], {}
     for spec in specs:
         prefix, _, leaf = spec.name.rpartition(".")

@@ -1,0 +1,214 @@
+"""The MG-WFBP merge trial as a state machine: which plan runs, and which one is kept.
+
+The planners' timeline is a model; on a host whose cores the workers share, what a merged message
+costs the backward it waits on is not in it. So each candidate plan runs for a few steps (its
+trial) and the job keeps the fastest one only if it beat the warm-up's one message per layer.
+
+The controller does no I/O and knows nothing of torch: the trainer feeds it step times and the
+figures every rank agreed on, and carries out what it answers (rebuild the syncers with a plan,
+exchange the figures). Its phases, one table::
+
+    measuring --planned--> trying --tried--> trying --last-tried--> judging --judged--> settled
+        \\--untried--> settled
+
+Every rank feeds the same clocks and, to judge, the same agreed figures, so every rank reaches
+the same verdict.
+"""
+
+from __future__ import annotations
+
+import enum
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+from ..errors import LocalProtocolError
+
+
+def judge_trial(warm: Mapping[int, Sequence[float]], *trials: Mapping[int, Sequence[float]]) -> dict:
+    """Which merge plan to keep, if any, from every rank's step times (seconds) in the warm-up
+    (one message per layer) and in each plan's trial: the same answer on every rank given the
+    same figures.
+
+    The planner's timeline is a model: on a host whose cores the workers share, what a merged
+    message costs the backward it waits on is not in it, and a plan predicted faster can run
+    slower (bench/RESULTS.md, "Training step time vs DDP: the plan's trial, and every row with
+    repeats"). The trial is the measurement.
+
+    A step ends for the job when its slowest rank's does, so each step counts at its slowest
+    rank; each phase's first step is left out where it has others (the warm-up's first starts
+    the parameter server and faults buffers in, a trial's first starts the plan's). The fastest
+    trial (the first of equals) is kept if it beat the warm-up.
+    Returns ``{"kept", "best", "unmerged_s", "planned_s", "trials_s"}``: whether a plan is kept,
+    the index of the fastest trial, the medians compared, and every trial's median.
+    """
+
+    def job_median(times: Mapping[int, Sequence[float]]) -> float:
+        steps = [max(ts) for ts in zip(*times.values())]
+        steps = steps[1:] if len(steps) > 1 else steps
+        return float(statistics.median(steps)) if steps else float("inf")
+
+    if not trials:
+        raise ValueError("judge_trial needs one trial or more")
+    unmerged = job_median(warm)
+    medians = [job_median(trial) for trial in trials]
+    best = min(range(len(medians)), key=lambda i: (medians[i], i))
+    return {"kept": medians[best] < unmerged, "best": best, "unmerged_s": unmerged, "planned_s": medians[best], "trials_s": medians}
+
+
+class Phase(enum.Enum):
+    MEASURING = "measuring"  # one message per layer: the runtimes measure, the step times are the baseline
+    TRYING = "trying"  # a candidate plan runs its trial
+    JUDGING = "judging"  # every trial is over: the ranks' figures go round
+    SETTLED = "settled"  # a plan is in force for good
+
+
+class Event(enum.Enum):
+    PLANNED = "planned"  # the candidate plans are agreed; the first one's trial starts
+    UNTRIED = "untried"  # the agreed plan is adopted as it is (no candidate merges, or no trials)
+    TRIED = "tried"  # a trial is over and another plan's starts
+    LAST_TRIED = "last-tried"  # the last plan's trial is over
+    JUDGED = "judged"  # the verdict is in
+
+
+TRANSITIONS = {
+    (Phase.MEASURING, Event.PLANNED): Phase.TRYING,
+    (Phase.MEASURING, Event.UNTRIED): Phase.SETTLED,
+    (Phase.TRYING, Event.TRIED): Phase.TRYING,
+    (Phase.TRYING, Event.LAST_TRIED): Phase.JUDGING,
+    (Phase.JUDGING, Event.JUDGED): Phase.SETTLED,
+}
+
+
+class Due(enum.Enum):
+    """What the trainer must do after a step."""
+
+    NOTHING = "nothing"
+    NEXT_TRIAL = "next-trial"  # rebuild with :attr:`MergeTrial.running`'s plan, from the next clock
+    JUDGMENT = "judgment"  # exchange :meth:`MergeTrial.figures` and call :meth:`MergeTrial.judge`
+
+
+@dataclass
+class Trial:
+    """One candidate plan: the planner that made it, its groups (opaque here), its step times."""
+
+    planner: str
+    plan: Any
+    times: list = field(default_factory=list)
+
+
+@dataclass
+class Verdict:
+    """The outcome of the trials.
+
+    Attributes:
+        kept: whether the fastest plan beat one message per layer.
+        trial: the fastest trial (kept or not).
+        rebuild: whether the plan running now is not the one to keep in force (the trainer
+            rebuilds with ``trial.plan`` if ``kept``, else with one message per layer).
+        figures: ``judge_trial``'s figures, the planner and every trial's median by planner.
+    """
+
+    kept: bool
+    trial: Trial
+    rebuild: bool
+    figures: dict
+
+
+def candidate_plans(groups: Mapping, candidates: Mapping[Any, Sequence[tuple]]) -> list:
+    """The plans to try, in order: one per planner (in the order they first appear), a scheme
+    with fewer candidates keeping its first; only plans that merge, each once.
+
+    Args:
+        groups: the plan in force for every mergeable scheme, ``{scheme: [[layer, ...], ...]}``.
+        candidates: for the schemes that were planned, ``{scheme: [(planner, groups), ...]}``.
+    """
+    planners = dict.fromkeys(planner for cands in candidates.values() for planner, _ in cands)
+    trials: list = []
+    for planner in planners:
+        plan = dict(groups)
+        for scheme, cands in candidates.items():
+            plan[scheme] = next((g for p, g in cands if p == planner), cands[0][1])
+        if any(len(g) > 1 for gs in plan.values() for g in gs) and all(plan != t.plan for t in trials):
+            trials.append(Trial(planner, plan))
+    return trials
+
+
+class MergeTrial:
+    """The trials of one re-plan, driven by step times.
+
+    Args:
+        steps: steps each plan runs before the next (``MergeConfig.trial``).
+
+    >>> trial = MergeTrial(steps=2)
+    >>> trial.step_done(0, 0.010, warm=True)
+    <Due.NOTHING: 'nothing'>
+    >>> trial.planned([Trial("greedy", "plan-a")], clock=3)
+    'plan-a'
+    """
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.phase = Phase.MEASURING
+        self.warm: list = []  # this rank's step seconds with one message per layer
+        self.trials: list = []
+        self.at = 0  # the trial running now
+        self.since: Optional[int] = None  # the clock of its first step
+
+    @property
+    def running(self) -> Trial:
+        return self.trials[self.at]
+
+    def step_done(self, clock: int, seconds: float, warm: bool) -> Due:
+        """Record step ``clock``'s time (``warm``: a measured step of the warm-up)."""
+        if self.phase is Phase.MEASURING and warm:
+            self.warm.append(seconds)
+        elif self.phase is Phase.TRYING:
+            self.running.times.append(seconds)
+            if clock == self.since + self.steps - 1:
+                return Due.NEXT_TRIAL if self.at + 1 < len(self.trials) else Due.JUDGMENT
+        return Due.NOTHING
+
+    def planned(self, trials: Sequence[Trial], clock: int) -> Optional[Any]:
+        """The agreed candidates are in: the plan to run from ``clock`` (the first trial's), or
+        ``None`` where there is nothing to try and the agreed plan stays in force."""
+        if not trials:
+            self._move(Event.UNTRIED)
+            self.warm = []
+            return None
+        self._move(Event.PLANNED)
+        self.trials, self.at, self.since = list(trials), 0, clock
+        return self.running.plan
+
+    def next_trial(self, clock: int) -> Any:
+        """The running trial is over: the next plan, to run from ``clock``."""
+        self._move(Event.TRIED)
+        self.at += 1
+        self.since = clock
+        return self.running.plan
+
+    def figures(self) -> dict:
+        """This rank's step times, for every rank to judge on (plain JSON)."""
+        if self.phase is Phase.TRYING:
+            self._move(Event.LAST_TRIED)
+        return {"warm": list(self.warm), "trials": [list(t.times) for t in self.trials]}
+
+    def judge(self, figures: Mapping[int, Mapping]) -> Verdict:
+        """The verdict from every rank's :meth:`figures` (the same on every rank)."""
+        self._move(Event.JUDGED)
+        found = judge_trial(
+            {r: f["warm"] for r, f in figures.items()},
+            *({r: f["trials"][i] for r, f in figures.items()} for i in range(len(self.trials))),
+        )
+        trial = self.trials[found["best"]]
+        found["planner"] = trial.planner
+        found["tried"] = {t.planner: s for t, s in zip(self.trials, found["trials_s"])}
+        rebuild = not found["kept"] or found["best"] != len(self.trials) - 1
+        self.warm, self.since = [], None
+        return Verdict(found["kept"], trial, rebuild, found)
+
+    def _move(self, event: Event) -> None:
+        after = TRANSITIONS.get((self.phase, event))
+        if after is None:
+            raise LocalProtocolError(f"illegal merge-trial transition: {event.value} in phase {self.phase.value}")
+        self.phase = after

@@ -1,0 +1,1 @@
+"""What the tests share: launching worker processes, in-memory transports, the fault proxy, the workers' bodies."""

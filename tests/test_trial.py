@@ -1,0 +1,129 @@
+"""The merge trial's controller, driven with given step times: no processes, no sockets."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from poseidon_aio.errors import LocalProtocolError
+from poseidon_aio.sync.trial import TRANSITIONS, Due, Event, MergeTrial, Phase, Trial, candidate_plans
+
+STEPS = 3  # MergeConfig.trial
+
+
+def _warm_up(trial: MergeTrial, times, first_clock: int = 0) -> int:
+    for clock, seconds in enumerate(times, first_clock):
+        assert trial.step_done(clock, seconds, warm=True) is Due.NOTHING
+    return first_clock + len(times)
+
+
+def _run_trials(trial: MergeTrial, times_per_plan, clock: int) -> list:
+    """Feed each plan's step times; returns what each trial's last step asked for."""
+    asked = []
+    for i, times in enumerate(times_per_plan):
+        for j, seconds in enumerate(times):
+            due = trial.step_done(clock, seconds, warm=False)
+            clock += 1
+            if j < len(times) - 1:
+                assert due is Due.NOTHING
+        asked.append(due)
+        if due is Due.NEXT_TRIAL:
+            assert trial.next_trial(clock) == trial.trials[i + 1].plan
+    return asked
+
+
+def test_candidate_plans_one_per_planner_in_order_and_only_plans_that_merge():
+    groups = {"ps": [[0], [1], [2]], "allreduce": [[3], [4]]}
+    candidates = {
+        "ps": [("greedy", [[0, 1], [2]]), ("exact", [[0, 1, 2]]), ("single", [[0, 1, 2]])],
+        "allreduce": [("greedy", [[3], [4]]), ("buckets", [[3, 4]])],
+    }
+    trials = candidate_plans(groups, candidates)
+    # planners in the order they first appear; a scheme without a planner's candidate keeps its first
+    assert [t.planner for t in trials] == ["greedy", "exact", "buckets"]  # "single" is the same plan as "exact"
+    assert trials[0].plan == {"ps": [[0, 1], [2]], "allreduce": [[3], [4]]}
+    assert trials[2].plan == {"ps": [[0, 1], [2]], "allreduce": [[3, 4]]}
+    # a candidate that merges nothing is not tried
+    assert candidate_plans({"ps": [[0], [1]]}, {"ps": [("greedy", [[0], [1]])]}) == []
+
+
+def test_the_trials_run_in_order_and_the_fastest_plan_that_beats_one_message_per_layer_is_kept():
+    trial = MergeTrial(STEPS)
+    clock = _warm_up(trial, [0.05, 0.010, 0.010])
+    plans = [Trial("greedy", "A"), Trial("exact", "B"), Trial("tapered", "C")]
+    assert trial.planned(plans, clock) == "A" and trial.phase is Phase.TRYING
+    asked = _run_trials(trial, [[0.02, 0.009, 0.009], [0.02, 0.007, 0.007], [0.02, 0.008, 0.008]], clock)
+    assert asked == [Due.NEXT_TRIAL, Due.NEXT_TRIAL, Due.JUDGMENT]
+    assert [t.times for t in trial.trials] == [[0.02, 0.009, 0.009], [0.02, 0.007, 0.007], [0.02, 0.008, 0.008]]
+    verdict = trial.judge({0: trial.figures()})
+    assert verdict.kept and verdict.trial.plan == "B" and verdict.figures["planner"] == "exact"
+    assert verdict.rebuild  # C runs now: B must be rebuilt
+    assert verdict.figures["tried"] == {"greedy": 0.009, "exact": 0.007, "tapered": 0.008}
+    assert trial.phase is Phase.SETTLED
+    assert trial.step_done(99, 1.0, warm=False) is Due.NOTHING  # settled: steps no longer count
+
+
+def test_the_running_plan_is_kept_without_a_rebuild_and_a_slower_one_is_dropped():
+    trial = MergeTrial(2)
+    clock = _warm_up(trial, [0.02, 0.010])
+    trial.planned([Trial("greedy", "A"), Trial("exact", "B")], clock)
+    _run_trials(trial, [[0.02, 0.009], [0.02, 0.008]], clock)
+    verdict = trial.judge({0: trial.figures()})
+    assert verdict.kept and verdict.trial.plan == "B" and not verdict.rebuild
+
+    slower = MergeTrial(2)
+    clock = _warm_up(slower, [0.02, 0.010])
+    slower.planned([Trial("greedy", "A")], clock)
+    _run_trials(slower, [[0.02, 0.011]], clock)
+    verdict = slower.judge({0: slower.figures()})
+    assert not verdict.kept and verdict.rebuild  # back to one message per layer
+
+
+def test_nothing_to_try_settles_at_once_and_forgets_the_warm_up():
+    trial = MergeTrial(STEPS)
+    clock = _warm_up(trial, [0.01, 0.01])
+    assert trial.planned([], clock) is None
+    assert trial.phase is Phase.SETTLED and trial.warm == []
+
+
+def test_only_measured_steps_count_in_the_warm_up():
+    trial = MergeTrial(STEPS)
+    assert trial.step_done(0, 0.5, warm=False) is Due.NOTHING
+    assert trial.warm == []
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    ranks=st.integers(1, 4),
+    plans=st.integers(1, 3),
+    steps=st.integers(1, 4),
+    data=st.data(),
+)
+def test_every_rank_reaches_the_same_verdict_from_the_agreed_figures(ranks, plans, steps, data):
+    seconds = st.floats(0.001, 1.0, allow_nan=False)
+    controllers = {}
+    for rank in range(ranks):  # each rank its own times: the verdict is on everyone's
+        trial = MergeTrial(steps)
+        clock = _warm_up(trial, data.draw(st.lists(seconds, min_size=1, max_size=4)))
+        trial.planned([Trial(f"p{i}", i) for i in range(plans)], clock)
+        _run_trials(trial, [data.draw(st.lists(seconds, min_size=steps, max_size=steps)) for _ in range(plans)], clock)
+        controllers[rank] = trial
+    figures = {rank: trial.figures() for rank, trial in controllers.items()}
+    shuffled = dict(reversed(list(figures.items())))  # the exchange's order is not the ranks'
+    verdicts = [trial.judge(figures if rank % 2 else shuffled) for rank, trial in controllers.items()]
+    assert all((v.kept, v.trial.plan, v.rebuild, v.figures) == (verdicts[0].kept, verdicts[0].trial.plan, verdicts[0].rebuild, verdicts[0].figures) for v in verdicts)
+
+
+def test_an_illegal_transition_names_the_event_and_the_phase():
+    trial = MergeTrial(STEPS)
+    with pytest.raises(LocalProtocolError, match="judged in phase measuring"):
+        trial.judge({0: {"warm": [], "trials": []}})
+    trial.planned([], 0)
+    with pytest.raises(LocalProtocolError, match="tried in phase settled"):
+        trial.next_trial(1)
+
+
+def test_the_table_covers_every_phase_and_every_event():
+    assert {before for before, _ in TRANSITIONS} | set(TRANSITIONS.values()) == set(Phase)
+    assert {event for _, event in TRANSITIONS} == set(Event)
