@@ -17,7 +17,10 @@ def parse_impl(impl: str, settings: dict) -> tuple:
     mode, *given = impl.split(":")
     variant = dict(s.split("=", 1) for s in given if "=" in s)
     if mode not in settings or len(variant) < len(given) or set(variant) - settings[mode]:
-        takes = "; ".join(f"{m}" + (f" with {', '.join(f'{s}=' for s in sorted(names))}" if names else "") for m, names in settings.items())
+        takes = "; ".join(
+            f"{m}" + (f" with {', '.join(f'{s}=' for s in sorted(names))}" if names else "")
+            for m, names in settings.items()
+        )
         raise SystemExit(f"--impls: {impl!r} is not one of: {takes}")
     return mode, variant
 
@@ -53,10 +56,25 @@ def launch(module: str, world: int, cfg: dict, *, namespaces=None, timeout: floa
             for rank in range(world):
                 out = os.path.join(tmp, f"rank{rank}.json")
                 outs.append(out)
-                env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": master, "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "POSEIDON_TOKEN": BENCH_TOKEN,
-                       "GLOO_SOCKET_IFNAME": "eth0" if namespaces else "lo", "PYTHONPATH": os.getcwd()}
-                command = [sys.executable, "-m", module, "--worker", json.dumps({**cfg, "rank": rank, "world": world, "out": out})]
+                env = {
+                    **os.environ,
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(world),
+                    "LOCAL_RANK": str(rank),
+                    "MASTER_ADDR": master,
+                    "MASTER_PORT": str(port),
+                    "OMP_NUM_THREADS": "1",
+                    "POSEIDON_TOKEN": BENCH_TOKEN,
+                    "GLOO_SOCKET_IFNAME": "eth0" if namespaces else "lo",
+                    "PYTHONPATH": os.getcwd(),
+                }
+                command = [
+                    sys.executable,
+                    "-m",
+                    module,
+                    "--worker",
+                    json.dumps({**cfg, "rank": rank, "world": world, "out": out}),
+                ]
                 if namespaces:
                     command = ["ip", "netns", "exec", namespaces[rank], *command]
                 errs.append(open(os.path.join(tmp, f"rank{rank}.err"), "w+"))

@@ -6,7 +6,18 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = {"transport": "bench.transport", "ps": "bench.ps", "train": "bench.train", "mgwfbp": "bench.mgwfbp", "soak": "bench.soak", "simulate": "bench.simulate", "compress": "bench.compress", "paper": "bench.paper", "patterns": "bench.patterns", "accuracy": "bench.accuracy"}
+BENCHES = {
+    "transport": "bench.transport",
+    "ps": "bench.ps",
+    "train": "bench.train",
+    "mgwfbp": "bench.mgwfbp",
+    "soak": "bench.soak",
+    "simulate": "bench.simulate",
+    "compress": "bench.compress",
+    "paper": "bench.paper",
+    "patterns": "bench.patterns",
+    "accuracy": "bench.accuracy",
+}
 
 
 def main() -> None:

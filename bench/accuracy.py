@@ -59,13 +59,31 @@ def seeds_of(text: str) -> list:
 
 def summary_of(diffs: list) -> dict:
     """Mean, sd and largest absolute difference (points) of one method's runs, and the runs."""
-    return {"mean": round(statistics.mean(diffs), 3), "sd": round(statistics.stdev(diffs), 3) if len(diffs) > 1 else 0.0,
-            "max_abs": round(max(abs(d) for d in diffs), 3), "diffs": diffs}
+    return {
+        "mean": round(statistics.mean(diffs), 3),
+        "sd": round(statistics.stdev(diffs), 3) if len(diffs) > 1 else 0.0,
+        "max_abs": round(max(abs(d) for d in diffs), 3),
+        "diffs": diffs,
+    }
 
 
 def one_run(method: str, seed: int, args) -> dict:
-    cmd = [sys.executable, "-m", "poseidon_aio.cli", "run", "-n", str(args.workers), "examples/digits.py", "--quiet",
-           "--seed", str(seed), "--epochs", str(args.epochs), "--compression", method]
+    cmd = [
+        sys.executable,
+        "-m",
+        "poseidon_aio.cli",
+        "run",
+        "-n",
+        str(args.workers),
+        "examples/digits.py",
+        "--quiet",
+        "--seed",
+        str(seed),
+        "--epochs",
+        str(args.epochs),
+        "--compression",
+        method,
+    ]
     if method != "none":
         cmd += ["--plan-bandwidth", args.plan_bandwidth]
     started = time.perf_counter()
@@ -75,11 +93,21 @@ def one_run(method: str, seed: int, args) -> dict:
         raise SystemExit(f"{method}, seed {seed}: no result within {args.timeout} s ({' '.join(cmd)})") from None
     found = ACCURACY.search(done.stdout)
     if found is None:  # the example exits 1 on a missed per-run check, but then it printed both
-        raise SystemExit(f"{method}, seed {seed}: no accuracies in its output (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+        raise SystemExit(
+            f"{method}, seed {seed}: no accuracies in its output (exit {done.returncode}):\n"
+            f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+        )
     ours, single = float(found.group(1)), float(found.group(2))
     lossy = LOSSY.search(done.stdout)
-    return {"method": method, "seed": seed, "ours": ours, "single": single, "diff": round(ours - single, 4),
-            "lossy": lossy.group(1) if lossy else "", "wall_s": round(time.perf_counter() - started, 1)}
+    return {
+        "method": method,
+        "seed": seed,
+        "ours": ours,
+        "single": single,
+        "diff": round(ours - single, 4),
+        "lossy": lossy.group(1) if lossy else "",
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
 
 
 def _example():
@@ -134,7 +162,9 @@ def emulate(digits, variant: str, seed: int, workers: int, epochs: int, batch: i
             mean = [rank_order_mean([grads[r][i] for r in order]) for i in range(len(params))]
             for i in lossy if variant != "exact" else ():
                 if variant == "fp16":
-                    mean[i] = rank_order_mean([half.expand(half.encode(g[i].reshape(-1))) for g in grads]).reshape(params[i].shape)
+                    mean[i] = rank_order_mean([half.expand(half.encode(g[i].reshape(-1))) for g in grads]).reshape(
+                        params[i].shape
+                    )
                     continue
                 density = _ratio_at(variant, step, ratio)
                 if density is None:
@@ -166,7 +196,11 @@ def run_emulation(args, seeds) -> dict:
                 reference[seed] = digits_single(digits, seed, args.epochs)
             diffs.append(round(emulate(digits, variant, seed, args.workers, args.epochs) - reference[seed], 4))
         s = out[variant] = summary_of(diffs)
-        print(f"| {variant} | {args.seeds} | {' '.join(f'{d:+.2f}' for d in diffs)} | {s['mean']:+.2f} | {s['sd']:.2f} | {s['max_abs']:.2f} |", flush=True)
+        print(
+            f"| {variant} | {args.seeds} | {' '.join(f'{d:+.2f}' for d in diffs)} | "
+            f"{s['mean']:+.2f} | {s['sd']:.2f} | {s['max_abs']:.2f} |",
+            flush=True,
+        )
     return {"emulated": True, "workers": args.workers, "epochs": args.epochs, "seeds": seeds, "variants": out}
 
 
@@ -185,7 +219,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--plan-bandwidth", default="100mbit")
     parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--emulate", help="comma list of variants to emulate in one process instead (see above), e.g. exact,fp16,topk,topk:0.05")
+    parser.add_argument(
+        "--emulate",
+        help="comma list of variants to emulate in one process instead (see above), e.g. exact,fp16,topk,topk:0.05",
+    )
     args = parser.parse_args(argv)
     methods, seeds = args.methods.split(","), seeds_of(args.seeds)
     if args.emulate:
@@ -199,7 +236,10 @@ def main(argv=None) -> dict:
         for seed in seeds:
             r = one_run(method, seed, args)
             runs.append(r)
-            print(f"| {method} | {seed} | {r['ours']:.2f} | {r['single']:.2f} | {r['diff']:+.2f} | {r['lossy'] or '-'} |", flush=True)
+            print(
+                f"| {method} | {seed} | {r['ours']:.2f} | {r['single']:.2f} | {r['diff']:+.2f} | {r['lossy'] or '-'} |",
+                flush=True,
+            )
     summary = {}
     print()
     print("| method | mean difference | sd | largest abs | seeds |")
@@ -208,8 +248,14 @@ def main(argv=None) -> dict:
         diffs = [r["diff"] for r in runs if r["method"] == method]
         s = summary[method] = summary_of(diffs)
         print(f"| {method} | {s['mean']:+.2f} | {s['sd']:.2f} | {s['max_abs']:.2f} | {len(diffs)} |")
-    out = {"workers": args.workers, "epochs": args.epochs, "seeds": seeds, "plan_bandwidth": args.plan_bandwidth,
-           "methods": summary, "runs": runs}
+    out = {
+        "workers": args.workers,
+        "epochs": args.epochs,
+        "seeds": seeds,
+        "plan_bandwidth": args.plan_bandwidth,
+        "methods": summary,
+        "runs": runs,
+    }
     for method, s in summary.items():
         out[f"mean_diff_points_{method}"] = s["mean"]
     print(json.dumps(out))

@@ -86,7 +86,9 @@ def worker(cfg: dict) -> None:
         if cfg["impl"] == "ddp_powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=cfg["rank_r"], start_powerSGD_iter=2)
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=cfg["rank_r"], start_powerSGD_iter=2
+            )
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         elif cfg["impl"] == "ddp_fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -125,7 +127,9 @@ def worker(cfg: dict) -> None:
 
         async def main():
             stats = []
-            async with poseidon_aio.Trainer(model, opt, loss_fn, mode="poseidon", net=net, compression=compression) as trainer:
+            async with poseidon_aio.Trainer(
+                model, opt, loss_fn, mode="poseidon", net=net, compression=compression
+            ) as trainer:
                 for t in range(total):
                     started, cpu0 = time.perf_counter(), time.process_time()
                     stats.append(await trainer.step(mine))
@@ -136,7 +140,7 @@ def worker(cfg: dict) -> None:
             return stats, {name: w.why for name, w in trainer.compression_plan.items()}, trainer.merge_groups
 
         stats, why, groups = poseidon_aio.run(main())
-        stats = stats[cfg["warmup"]:]
+        stats = stats[cfg["warmup"] :]
         extra = {
             "schemes": stats[-1].schemes,
             "why": why,
@@ -145,7 +149,7 @@ def worker(cfg: dict) -> None:
             "bytes": statistics.median(sum(s.bytes.values()) for s in stats),
         }
     with open(cfg["out"], "w") as f:
-        json.dump({"times": times[cfg["warmup"]:], "cpu": cpu[cfg["warmup"]:], **extra}, f)
+        json.dump({"times": times[cfg["warmup"] :], "cpu": cpu[cfg["warmup"] :], **extra}, f)
     # gloo's teardown can hang once peers are gone; the result is written, leave at once.
     sys.stdout.flush()
     os._exit(0)
@@ -156,9 +160,26 @@ def worker(cfg: dict) -> None:
 
 def run_config(impl: str, model: str, world: int, link: str, args, namespaces) -> dict:
     shaper_rate = RATES[link][1] if not namespaces and not impl.startswith("ddp") else None
-    cfg = dict(impl=impl, model=model, tflops=args.device_tflops, rank_r=args.rank, warmup=args.warmup, steps=args.steps, shaper_rate=shaper_rate)
-    ranks = launch("bench.compress", world, cfg, namespaces=namespaces, timeout=args.timeout, what=f"{impl} {model} x{world} on {link}")
-    steps = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]  # the job's step: its slowest rank's
+    cfg = dict(
+        impl=impl,
+        model=model,
+        tflops=args.device_tflops,
+        rank_r=args.rank,
+        warmup=args.warmup,
+        steps=args.steps,
+        shaper_rate=shaper_rate,
+    )
+    ranks = launch(
+        "bench.compress",
+        world,
+        cfg,
+        namespaces=namespaces,
+        timeout=args.timeout,
+        what=f"{impl} {model} x{world} on {link}",
+    )
+    steps = [
+        max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))
+    ]  # the job's step: its slowest rank's
     # On a host with fewer cores than ranks the job's CPU a step bounds a step once the link no longer does.
     return {"step_s": statistics.median(steps), "cpu_s": job_cpu(ranks), "rank0": ranks[0]}
 
@@ -172,8 +193,20 @@ def main(argv=None) -> dict:
     parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--rank", type=int, default=4, help="PowerSGD's rank, ours and DDP's hook's")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=1, help="runs of every implementation per row, interleaved; a cell is their median, a ratio the median of the repeats' ratios (min-max shown)")
-    parser.add_argument("--warmup", type=int, default=19, help="untimed steps (merging is planned after 3, then up to 5 plans tried for 3 steps each; DDP's PowerSGD starts at 2)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of every implementation per row, interleaved; a cell is their median, "
+        "a ratio the median of the repeats' ratios (min-max shown)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=19,
+        help="untimed steps (merging is planned after 3, then up to 5 plans tried for 3 steps each; "
+        "DDP's PowerSGD starts at 2)",
+    )
     parser.add_argument("--device-tflops", type=float, default=6.0, help="replayed device rate, TFLOP/s")
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args(argv)
@@ -187,10 +220,16 @@ def main(argv=None) -> dict:
     capped, why = netns.available()
     impls = args.impls.split(",")
     rows = []
-    notes = [f"replayed device rate {args.device_tflops} TFLOP/s; compression arithmetic real, on this CPU, for every implementation",
-             f"PowerSGD rank {args.rank} for ours and DDP's hook; {args.workers} workers"]
+    notes = [
+        f"replayed device rate {args.device_tflops} TFLOP/s; "
+        "compression arithmetic real, on this CPU, for every implementation",
+        f"PowerSGD rank {args.rank} for ours and DDP's hook; {args.workers} workers",
+    ]
     if not capped:
-        notes.append(f"network namespaces unavailable ({why}): our processes were capped by the library's shaper, DDP ran UNCAPPED")
+        notes.append(
+            f"network namespaces unavailable ({why}): "
+            "our processes were capped by the library's shaper, DDP ran UNCAPPED"
+        )
     for link in args.links.split(","):
         for model in args.models.split(","):
             runs = {impl: [] for impl in impls}
@@ -203,12 +242,21 @@ def main(argv=None) -> dict:
                         else:
                             result = run_config(impl, model, args.workers, link, args, None)
                     except RuntimeError as exc:  # one implementation failing is a finding, not the end of the run
-                        notes.append(f"{impl} on {model}, {link}{f' (repeat {rep + 1})' if args.repeats > 1 else ''}: FAILED ({str(exc).splitlines()[0]}); see stderr")
+                        notes.append(
+                            f"{impl} on {model}, {link}{f' (repeat {rep + 1})' if args.repeats > 1 else ''}: "
+                            f"FAILED ({str(exc).splitlines()[0]}); see stderr"
+                        )
                         print(exc, file=sys.stderr, flush=True)
                         result = None
                     runs[impl].append(result)
                     if result is not None:
-                        print(f"  {link} {model} x{args.workers} {impl}" + (f" (repeat {rep + 1})" if args.repeats > 1 else "") + f": {result['step_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+                        print(
+                            f"  {link} {model} x{args.workers} {impl}"
+                            + (f" (repeat {rep + 1})" if args.repeats > 1 else "")
+                            + f": {result['step_s'] * 1e3:.1f} ms",
+                            file=sys.stderr,
+                            flush=True,
+                        )
             results = {impl: median_run([r for r in rs if r]) for impl, rs in runs.items() if any(rs)}
             row = {"link": link, "model": model, **{i: results[i]["step_s"] for i in impls if i in results}}
             row["cpu"] = {i: results[i]["cpu_s"] for i in impls if i in results}
@@ -218,7 +266,9 @@ def main(argv=None) -> dict:
                 row["merged"] = results["auto"]["rank0"].get("groups", [])
                 row["layers"] = len(schemes)
                 for base in ("ddp", "ddp_powersgd", "ddp_fp16", "exact"):
-                    ratios = sorted(b["step_s"] / a["step_s"] for b, a in zip(runs.get(base, []), runs["auto"]) if a and b)
+                    ratios = sorted(
+                        b["step_s"] / a["step_s"] for b, a in zip(runs.get(base, []), runs["auto"]) if a and b
+                    )
                     if ratios:
                         row[f"auto_vs_{base}"] = statistics.median(ratios)
                         row[f"auto_vs_{base}_spread"] = (ratios[0], ratios[-1])
@@ -227,9 +277,12 @@ def main(argv=None) -> dict:
         f"Step time, ms (median of the slowest rank), {args.workers} workers, replayed compute; speed-up = other ÷ auto"
         + (f" (median of {args.repeats} interleaved repeats' ratios, min–max)" if args.repeats > 1 else ""),
         "",
-        "| link | model | " + " | ".join(impls) + " | auto vs ddp | vs ddp+PowerSGD | vs ddp+fp16 | vs exact | lossy layers |",
+        "| link | model | "
+        + " | ".join(impls)
+        + " | auto vs ddp | vs ddp+PowerSGD | vs ddp+fp16 | vs exact | lossy layers |",
         "|---|---|" + "---|" * (len(impls) + 5),
     ]
+
     def fmt(r, k):
         if k not in r:
             return "-"
@@ -239,17 +292,25 @@ def main(argv=None) -> dict:
     for r in rows:
         cells = " | ".join(f"{r[i] * 1e3:.1f}" if i in r else "failed" for i in impls)
         lossy = f"{len(r['lossy'])} of {r['layers']}" if "lossy" in r else "-"
-        lines.append(f"| {r['link']} | {r['model']} | {cells} | {fmt(r, 'auto_vs_ddp')} | {fmt(r, 'auto_vs_ddp_powersgd')} | {fmt(r, 'auto_vs_ddp_fp16')} | {fmt(r, 'auto_vs_exact')} | {lossy} |")
+        lines.append(
+            f"| {r['link']} | {r['model']} | {cells} | {fmt(r, 'auto_vs_ddp')} | {fmt(r, 'auto_vs_ddp_powersgd')} | "
+            f"{fmt(r, 'auto_vs_ddp_fp16')} | {fmt(r, 'auto_vs_exact')} | {lossy} |"
+        )
     lines += [
         "",
-        f"CPU a step, ms: every thread of a worker process, median over its steps, summed over the {args.workers} ranks "
+        "CPU a step, ms: every thread of a worker process, median over its steps, "
+        f"summed over the {args.workers} ranks "
         f"(this host has {os.cpu_count()} cores: past {os.cpu_count()} x the step time, the CPU bounds the step)",
         "",
         "| link | model | " + " | ".join(impls) + " |",
         "|---|---|" + "---|" * len(impls),
     ]
     for r in rows:
-        lines.append(f"| {r['link']} | {r['model']} | " + " | ".join(f"{r['cpu'][i] * 1e3:.1f}" if i in r["cpu"] else "-" for i in impls) + " |")
+        lines.append(
+            f"| {r['link']} | {r['model']} | "
+            + " | ".join(f"{r['cpu'][i] * 1e3:.1f}" if i in r["cpu"] else "-" for i in impls)
+            + " |"
+        )
     print("\n".join(lines))
     for n in notes:
         print(f"\nnote: {n}")
@@ -274,7 +335,12 @@ def main(argv=None) -> dict:
         "ddp_capped": capped,
         "device_tflops": args.device_tflops,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        **{f"{k}_{r['model']}_{r['link']}": round(r[k], 2) for r in rows for k in ("auto_vs_ddp", "auto_vs_ddp_powersgd", "auto_vs_ddp_fp16", "auto_vs_exact") if k in r},
+        **{
+            f"{k}_{r['model']}_{r['link']}": round(r[k], 2)
+            for r in rows
+            for k in ("auto_vs_ddp", "auto_vs_ddp_powersgd", "auto_vs_ddp_fp16", "auto_vs_exact")
+            if k in r
+        },
     }
     print(json.dumps(out))
     return out

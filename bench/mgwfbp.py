@@ -9,8 +9,9 @@ Every gradient byte crosses a real socket between real processes.
 
 The network is the paper's 10GbE, emulated in user space on each process's outbound frames (netem
 is not available): a token bucket at 10 Gbit/s in which every push also pays a start-up as link
-time, so messages occupy the link for ``a + b p`` one after another — the paper's measured all-reduce start-up ``a`` (91 us, 272 us and 634 us on 2, 4
-and 8 nodes; MG-WFBP §V), paid by every push: the start-up of one layer's synchronization.
+time, so messages occupy the link for ``a + b p`` one after another — the paper's measured all-reduce start-up
+``a`` (91 us, 272 us and 634 us on 2, 4 and 8 nodes; MG-WFBP §V), paid by every push: the start-up of one layer's
+synchronization.
 A time-dilation factor ``--dilation`` multiplies compute and start-up times and divides the rate,
 so the two CPU cores stay mostly idle; reported times are divided back, and ratios do not depend
 on it.
@@ -50,7 +51,14 @@ def resnet50_layers() -> list:
 
 
 def _worker(rank: int, world: int, port: int, scheme: str, args: dict, out) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), POSEIDON_TOKEN=BENCH_TOKEN)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        POSEIDON_TOKEN=BENCH_TOKEN,
+    )
     import torch
     from torch import nn
 
@@ -93,18 +101,26 @@ def _worker(rank: int, world: int, port: int, scheme: str, args: dict, out) -> N
     # The paper's ``a`` is the start-up of one layer's synchronization: each push pays it, as link
     # time before its bytes (T = a + b p per message, messages one after another on the link).
     link = ShaperConfig(egress_rate=10e9 / 8 / dilation, message_cost=alpha, costed_kinds=frozenset({Kind.PUSH}))
-    mode, kind = ("wfbp", "none") if scheme == "wfbp" else ("mgwfbp", {"single": "single", "algorithm1": "algorithm1", "optimal": "optimal", "mgwfbp": None}[scheme])
+    mode, kind = (
+        ("wfbp", "none")
+        if scheme == "wfbp"
+        else ("mgwfbp", {"single": "single", "algorithm1": "algorithm1", "optimal": "optimal", "mgwfbp": None}[scheme])
+    )
     # algorithm1, optimal: the planner's plan is what is measured (trial=0); mgwfbp: the default,
     # whose trials pick a plan, untimed (every plan best can try, then the verdict's first step)
     trial = args["trial"] if scheme == "mgwfbp" else 0
     untimed = args["measure"] + (len(BEST_PLANNERS) * trial + 1 if trial else 0)
-    merge = MergeConfig(kind=kind, after=args["measure"], calibration_sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), trial=trial)
+    merge = MergeConfig(
+        kind=kind, after=args["measure"], calibration_sizes=(4 << 10, 64 << 10, 1 << 20, 4 << 20), trial=trial
+    )
     x = torch.zeros(ROWS, 1, requires_grad=True)
     loss_fn = lambda out, _: out.sum()  # noqa: E731
 
     async def main():
         times = []
-        async with poseidon_aio.Trainer(model, opt, loss_fn, mode=mode, merge=merge, net=config_from_env(bandwidth=link), broadcast_buffers=False) as trainer:
+        async with poseidon_aio.Trainer(
+            model, opt, loss_fn, mode=mode, merge=merge, net=config_from_env(bandwidth=link), broadcast_buffers=False
+        ) as trainer:
             for _ in range(untimed + args["steps"]):
                 started = time.perf_counter()
                 await trainer.step((x, None))
@@ -116,7 +132,18 @@ def _worker(rank: int, world: int, port: int, scheme: str, args: dict, out) -> N
     times, groups, info = poseidon_aio.run(main())
     verdict = info.get("trial") or {}
     kept = (verdict["planner"] if verdict["kept"] else "none") if verdict else info.get("planner", "-")
-    out.put((rank, {"times": times, "groups": groups, "predicted": info.get("predicted_s"), "alpha": info.get("alpha_s"), "kept": kept}))
+    out.put(
+        (
+            rank,
+            {
+                "times": times,
+                "groups": groups,
+                "predicted": info.get("predicted_s"),
+                "alpha": info.get("alpha_s"),
+                "kept": kept,
+            },
+        )
+    )
 
 
 def measure(world: int, scheme: str, args: dict) -> dict:
@@ -134,7 +161,13 @@ def measure(world: int, scheme: str, args: dict) -> dict:
     for p in procs:
         p.join(30)
     r0 = results[0]
-    return {"iter_s": statistics.median(r0["times"]), "groups": r0["groups"], "predicted": r0["predicted"], "alpha": r0["alpha"], "kept": r0["kept"]}
+    return {
+        "iter_s": statistics.median(r0["times"]),
+        "groups": r0["groups"],
+        "predicted": r0["predicted"],
+        "alpha": r0["alpha"],
+        "kept": r0["kept"],
+    }
 
 
 def main(argv=None) -> dict:
@@ -145,11 +178,20 @@ def main(argv=None) -> dict:
     parser.add_argument("--dilation", type=float, default=10.0)
     parser.add_argument("--measure", type=int, default=2, help="warm-up steps that measure before merging")
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
-    parser.add_argument("--trial", type=int, default=3, help="trial steps of each plan for the default planner (mgwfbp)")
+    parser.add_argument(
+        "--trial", type=int, default=3, help="trial steps of each plan for the default planner (mgwfbp)"
+    )
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--sweep-tflops", default="8,32", help="more device rates, at the largest worker count")
     a = parser.parse_args(argv)
-    args = {"tflops": a.device_tflops, "dilation": a.dilation, "measure": a.measure, "steps": a.steps, "timeout": a.timeout, "trial": a.trial}
+    args = {
+        "tflops": a.device_tflops,
+        "dilation": a.dilation,
+        "measure": a.measure,
+        "steps": a.steps,
+        "timeout": a.timeout,
+        "trial": a.trial,
+    }
     schemes = a.schemes.split(",")
     layers = resnet50_layers()
     total_flops = sum(f for *_, f in layers)
@@ -162,7 +204,9 @@ def main(argv=None) -> dict:
                 if s in res:
                     summary[f"speedup_{s}_vs_wfbp_{world}"] = round(res["wfbp"]["iter_s"] / res[s]["iter_s"], 3)
             if "single" in res and "mgwfbp" in res:
-                summary[f"speedup_mgwfbp_vs_single_{world}"] = round(res["single"]["iter_s"] / res["mgwfbp"]["iter_s"], 3)
+                summary[f"speedup_mgwfbp_vs_single_{world}"] = round(
+                    res["single"]["iter_s"] / res["mgwfbp"]["iter_s"], 3
+                )
     sweep = []
     biggest = max(int(w) for w in a.workers.split(","))
     for tflops in (float(x) for x in a.sweep_tflops.split(",") if x):
@@ -170,13 +214,19 @@ def main(argv=None) -> dict:
         sweep.append((tflops, res))
         for s in ("mgwfbp", "algorithm1", "optimal"):
             if "wfbp" in res and s in res:
-                summary[f"speedup_{s}_vs_wfbp_{biggest}_at_{tflops:g}tflops"] = round(res["wfbp"]["iter_s"] / res[s]["iter_s"], 3)
+                summary[f"speedup_{s}_vs_wfbp_{biggest}_at_{tflops:g}tflops"] = round(
+                    res["wfbp"]["iter_s"] / res[s]["iter_s"], 3
+                )
     lines = [
-        f"ResNet-50-shaped model ({len(layers)} layers, 25.6 M parameters), batch {ROWS} per worker, compute replayed at "
+        f"ResNet-50-shaped model ({len(layers)} layers, 25.6 M parameters), batch {ROWS} per worker, "
+        "compute replayed at "
         f"{a.device_tflops} TFLOP/s ({total_flops * 3 / a.device_tflops / 1e12 * 1e3:.0f} ms forward+backward), "
-        f"10 Gbit/s with the paper's start-up per message; iteration time, ms (rank 0's median, dilation {a.dilation} divided out)",
+        "10 Gbit/s with the paper's start-up per message; "
+        f"iteration time, ms (rank 0's median, dilation {a.dilation} divided out)",
         "",
-        "| workers | alpha | " + " | ".join(schemes) + " | MG-WFBP vs WFBP | MG-WFBP vs single | messages per iteration (mgwfbp) | plan kept (mgwfbp) |",
+        "| workers | alpha | "
+        + " | ".join(schemes)
+        + " | MG-WFBP vs WFBP | MG-WFBP vs single | messages per iteration (mgwfbp) | plan kept (mgwfbp) |",
         "|---|---|" + "---|" * (len(schemes) + 4),
     ]
     for world, res in rows:
@@ -184,15 +234,31 @@ def main(argv=None) -> dict:
         sp = summary.get(f"speedup_mgwfbp_vs_wfbp_{world}", float("nan"))
         ss = summary.get(f"speedup_mgwfbp_vs_single_{world}", float("nan"))
         groups, kept = res.get("mgwfbp", {}).get("groups", "-"), res.get("mgwfbp", {}).get("kept", "-")
-        lines.append(f"| {world} | {ALPHA.get(world, ALPHA[8]) * 1e6:.0f} us | {cells} | {sp:.2f} | {ss:.2f} | {groups} | {kept} |")
+        lines.append(
+            f"| {world} | {ALPHA.get(world, ALPHA[8]) * 1e6:.0f} us | {cells} | "
+            f"{sp:.2f} | {ss:.2f} | {groups} | {kept} |"
+        )
     if sweep:
-        lines += ["", f"{biggest} workers at other device rates (faster devices leave less compute to hide communication behind):", "",
-                  "| TFLOP/s | forward+backward | " + " | ".join(schemes) + " | MG-WFBP vs WFBP | Alg. 1 vs WFBP | optimal vs WFBP | plan kept (mgwfbp) |",
-                  "|---|---|" + "---|" * (len(schemes) + 4)]
+        lines += [
+            "",
+            f"{biggest} workers at other device rates "
+            "(faster devices leave less compute to hide communication behind):",
+            "",
+            "| TFLOP/s | forward+backward | "
+            + " | ".join(schemes)
+            + " | MG-WFBP vs WFBP | Alg. 1 vs WFBP | optimal vs WFBP | plan kept (mgwfbp) |",
+            "|---|---|" + "---|" * (len(schemes) + 4),
+        ]
         for tflops, res in sweep:
             cells = " | ".join(f"{res[s]['iter_s'] * 1e3:.0f}" for s in schemes)
-            ratios = " | ".join(f"{summary.get(f'speedup_{s}_vs_wfbp_{biggest}_at_{tflops:g}tflops', float('nan')):.2f}" for s in ("mgwfbp", "algorithm1", "optimal"))
-            lines.append(f"| {tflops:g} | {total_flops * 3 / tflops / 1e12 * 1e3:.0f} ms | {cells} | {ratios} | {res.get('mgwfbp', {}).get('kept', '-')} |")
+            ratios = " | ".join(
+                f"{summary.get(f'speedup_{s}_vs_wfbp_{biggest}_at_{tflops:g}tflops', float('nan')):.2f}"
+                for s in ("mgwfbp", "algorithm1", "optimal")
+            )
+            lines.append(
+                f"| {tflops:g} | {total_flops * 3 / tflops / 1e12 * 1e3:.0f} ms | {cells} | {ratios} | "
+                f"{res.get('mgwfbp', {}).get('kept', '-')} |"
+            )
     print("\n".join(lines))
     out = {
         "bench": "mgwfbp",

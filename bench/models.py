@@ -124,15 +124,27 @@ def build(name: str, seed: int = 0):
         layers = []
         for i in range(len(FC_DIMS) - 1):
             layers += [nn.Linear(FC_DIMS[i], FC_DIMS[i + 1]), nn.ReLU()]
-        return nn.Sequential(*layers[:-1]), (torch.randn(ROWS, FC_DIMS[0], generator=g), torch.randint(0, 10, (ROWS,), generator=g)), F.cross_entropy
+        return (
+            nn.Sequential(*layers[:-1]),
+            (torch.randn(ROWS, FC_DIMS[0], generator=g), torch.randint(0, 10, (ROWS,), generator=g)),
+            F.cross_entropy,
+        )
     if name == "cnn":
         layers = []
         for a, b in ((3, 32), (32, 64), (64, 64)):
             layers += [nn.Conv2d(a, b, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
         model = nn.Sequential(*layers, nn.Flatten(), nn.Linear(64 * 4 * 4, 10))
-        return model, (torch.randn(ROWS, 3, 32, 32, generator=g), torch.randint(0, 10, (ROWS,), generator=g)), F.cross_entropy
+        return (
+            model,
+            (torch.randn(ROWS, 3, 32, 32, generator=g), torch.randint(0, 10, (ROWS,), generator=g)),
+            F.cross_entropy,
+        )
     if name == "resnet":
-        return ResNet(), (torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)), F.cross_entropy
+        return (
+            ResNet(),
+            (torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)),
+            F.cross_entropy,
+        )
     if name == "transformer":
         tokens = torch.randint(0, 1000, (8, 32), generator=g)
 
@@ -231,7 +243,9 @@ def replay(model: nn.Module, batch, tflops: float) -> nn.Module:
 
     def record(module, inputs, output):
         if module in seen:
-            raise ValueError(f"replay: {type(module).__name__} is called twice in one forward; a chain cannot replay it")
+            raise ValueError(
+                f"replay: {type(module).__name__} is called twice in one forward; a chain cannot replay it"
+            )
         seen[module] = (inputs[0], output)
         order.append(module)
 
@@ -255,7 +269,11 @@ def replay(model: nn.Module, batch, tflops: float) -> nn.Module:
         m.replay_lazy = True
         m.replay_in = (tuple(x.shape), x.dtype)
         # A subclass with its own forward: the trainer then sees a layer with custom compute.
-        m.__class__ = type(f"Replayed{type(m).__name__}", (type(m),), {"forward": lambda self, x, *a, **k: Replay.apply(x, self, *self.parameters(recurse=False))})
+        m.__class__ = type(
+            f"Replayed{type(m).__name__}",
+            (type(m),),
+            {"forward": lambda self, x, *a, **k: Replay.apply(x, self, *self.parameters(recurse=False))},
+        )
 
     def chain(self, x, *args, **kwargs):
         h = order[0](x)

@@ -76,7 +76,21 @@ def hosts(n: int, rate: str):
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
             for where in (["tc"], ["ip", "netns", "exec", ns, "tc"]):
                 dev = host_end if len(where) == 1 else "eth0"
-                _sh(*where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms")
+                _sh(
+                    *where,
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    rate,
+                    "burst",
+                    "256kb",
+                    "latency",
+                    "100ms",
+                )
         yield [_names(i)[0] for i in range(n)]
     finally:
         teardown(n)
@@ -87,7 +101,11 @@ def tcp_counters() -> dict:
     ``{"retrans_segs", "timeouts", "loss_probes"}`` (RetransSegs of /proc/net/snmp; TCPTimeouts,
     TCPLossProbes of /proc/net/netstat). A worker in its own namespace reads its own link's: no
     watcher process, nothing on the cores while it runs. Zeros where the files are absent."""
-    wanted = {("Tcp", "RetransSegs"): "retrans_segs", ("TcpExt", "TCPTimeouts"): "timeouts", ("TcpExt", "TCPLossProbes"): "loss_probes"}
+    wanted = {
+        ("Tcp", "RetransSegs"): "retrans_segs",
+        ("TcpExt", "TCPTimeouts"): "timeouts",
+        ("TcpExt", "TCPLossProbes"): "loss_probes",
+    }
     out = dict.fromkeys(wanted.values(), 0)
     for path in ("/proc/net/snmp", "/proc/net/netstat"):
         try:
@@ -101,4 +119,3 @@ def tcp_counters() -> dict:
                 if (proto, key) in wanted:
                     out[wanted[(proto, key)]] = int(value)
     return out
-

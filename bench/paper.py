@@ -187,7 +187,9 @@ def worker(cfg: dict) -> None:
             # TCP retransmissions on every link, WFBP 11 % slower than the full-size plan).
             merge = MergeConfig(bucket_bytes=tuple(int(b / cfg["scale"]) for b in MergeConfig().bucket_bytes))
             ps = poseidon_aio.PSConfig(chunk_bytes=max(64, int(DEFAULT_CHUNK_BYTES / cfg["scale"])))
-            async with poseidon_aio.Trainer(model, opt, loss_fn, mode=mode, broadcast_buffers=False, merge=merge, ps=ps, **variant) as trainer:
+            async with poseidon_aio.Trainer(
+                model, opt, loss_fn, mode=mode, broadcast_buffers=False, merge=merge, ps=ps, **variant
+            ) as trainer:
                 for t in range(total):
                     if t == cfg["warmup"]:
                         tcp["begin"] = tcp_counters()
@@ -200,7 +202,7 @@ def worker(cfg: dict) -> None:
             return stats, trainer.merge_info
 
         stats, info = poseidon_aio.run(main())
-        stats = stats[cfg["warmup"]:]
+        stats = stats[cfg["warmup"] :]
         extra = {
             "schemes": stats[-1].schemes,
             "compute_s": statistics.median(s.compute_s for s in stats) / cfg["dilation"],
@@ -208,9 +210,14 @@ def worker(cfg: dict) -> None:
             "merge_groups": len(info.get("groups", [])),
             "alpha_s": info.get("alpha_s"),
             "beta_s_per_byte": info.get("beta_s_per_byte"),
-            # each distinct plan: its groups' layer counts from the output (backward order), and what the model predicted
+            # each distinct plan: its groups' layer counts from the output (backward order), and what the model
+            # predicted
             "candidates": [
-                {"planner": c["planner"], "predicted_s": c["predicted_s"], "groups": [len(g) for g in c["groups"]][::-1]}
+                {
+                    "planner": c["planner"],
+                    "predicted_s": c["predicted_s"],
+                    "groups": [len(g) for g in c["groups"]][::-1],
+                }
                 for c in info.get("candidates", [])
             ],
             # what the plan's trials tried (ms a step) and kept: why a merged row is what it is
@@ -220,7 +227,7 @@ def worker(cfg: dict) -> None:
     extra["tcp"] = {k: end[k] - tcp["begin"][k] for k in end} if "begin" in tcp else {}
     d = cfg["dilation"]
     with open(cfg["out"], "w") as f:
-        json.dump({"times": [t / d for t in times[cfg["warmup"]:]], **extra}, f)
+        json.dump({"times": [t / d for t in times[cfg["warmup"] :]], **extra}, f)
     sys.stdout.flush()
     os._exit(0)  # gloo's teardown can hang once peers are gone; the result is written
 
@@ -231,18 +238,30 @@ def worker(cfg: dict) -> None:
 def run(model: str, impl: str, world: int, args, rate_bits: float) -> dict:
     from bench import netns
 
-    cfg = dict(model=model, impl=impl, batch=args.batch, scale=args.scale, dilation=args.dilation, tflops=args.device_tflops,
-               warmup=args.warmup if impl_variant(impl)[0] in MERGING else args.warmup_plain, steps=args.steps)
+    cfg = dict(
+        model=model,
+        impl=impl,
+        batch=args.batch,
+        scale=args.scale,
+        dilation=args.dilation,
+        tflops=args.device_tflops,
+        warmup=args.warmup if impl_variant(impl)[0] in MERGING else args.warmup_plain,
+        steps=args.steps,
+    )
     cap = f"{rate_bits / args.scale / args.dilation / 1e3:.0f}kbit"
     with netns.hosts(world, cap) as names:
-        ranks = launch("bench.paper", world, cfg, namespaces=names, timeout=args.timeout, what=f"{impl} {model} x{world}")
+        ranks = launch(
+            "bench.paper", world, cfg, namespaces=names, timeout=args.timeout, what=f"{impl} {model} x{world}"
+        )
     steps = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
     out = {"step_s": statistics.median(steps), "rank0": ranks[0]}
     for key in ("merge_groups", "alpha_s", "beta_s_per_byte", "candidates", "trial"):
         if ranks[0].get(key) is not None:
             out[key] = ranks[0][key]
     # The links' losses over the timed steps, every namespace's summed (each rank reads its own).
-    out["tcp"] = {k: sum(r.get("tcp", {}).get(k, 0) for r in ranks) for k in ("retrans_segs", "timeouts", "loss_probes")}
+    out["tcp"] = {
+        k: sum(r.get("tcp", {}).get(k, 0) for r in ranks) for k in ("retrans_segs", "timeouts", "loss_probes")
+    }
     if "bytes" in ranks[0]:
         out["compute_s"] = max(r["compute_s"] for r in ranks)
         # Bytes crossed the scaled link: scale back to what the full-size model moves.
@@ -296,10 +315,13 @@ def simulate_beside(results: dict, args, rate_bits: float, efficiency: Optional[
     if overheads:
         columns["measured fan-in and layer overhead" if measured else "layer overhead"] = (measured, True)
     lines = [
-        f"Simulated vs emulated iteration, ms (simulator: same model trace, {args.device_tflops:g} TFLOP/s, the full-size link, "
-        f"{args.alpha_us:g} us start-up per message; ideal links, and links that deliver what the emulation's delivered with "
+        "Simulated vs emulated iteration, ms (simulator: same model trace, "
+        f"{args.device_tflops:g} TFLOP/s, the full-size link, "
+        f"{args.alpha_us:g} us start-up per message; ideal links, "
+        "and links that deliver what the emulation's delivered with "
         f"n senders into one: {efficiency or 'not measured'}; per-layer overhead measured on one worker, us a pass: "
-        f"{ {m: round(o * 1e6, 1) for m, o in overheads.items()} or 'not measured'}); error = |sim - emulated| / emulated",
+        f"{ {m: round(o * 1e6, 1) for m, o in overheads.items()} or 'not measured' }); "
+        "error = |sim - emulated| / emulated",
         "",
         "| model | workers | scheme | emulated | " + " | ".join(f"simulated, {c} | error" for c in columns) + " |",
         "|---|---|---|---|" + "---|---|" * len(columns),
@@ -311,19 +333,37 @@ def simulate_beside(results: dict, args, rate_bits: float, efficiency: Optional[
         cells = []
         for name, (eff, with_overhead) in columns.items():
             overhead = overheads.get(model, 0.0) if with_overhead else 0.0
-            sim = Simulator(tr, world, rate=args.device_tflops * 1e12, link=link, mode=mode, efficiency=eff, layer_overhead=overhead, **variant).run()
+            sim = Simulator(
+                tr,
+                world,
+                rate=args.device_tflops * 1e12,
+                link=link,
+                mode=mode,
+                efficiency=eff,
+                layer_overhead=overhead,
+                **variant,
+            ).run()
             err = abs(sim.time - res["step_s"]) / res["step_s"]
             if world > 1 or not with_overhead:
                 errors[name].append(err)
             cells.append(f"{sim.time * 1e3:.0f} | {err * 100:.1f} %")
         lines.append(f"| {model} | {world} | {impl} | {res['step_s'] * 1e3:.0f} | " + " | ".join(cells) + " |")
     tr = trace("resnet50", 32)
-    sim = Simulator(tr, 64, rate=2e12, link=Link.of_bandwidth(10e9 / 8, paper_startup(64)), mode="mgwfbp", costed=[Kind.PUSH])
+    sim = Simulator(
+        tr, 64, rate=2e12, link=Link.of_bandwidth(10e9 / 8, paper_startup(64)), mode="mgwfbp", costed=[Kind.PUSH]
+    )
     wfbp, alg1, exact, merged = sim.run("none"), sim.run("algorithm1"), sim.run("optimal"), sim.run()
     mg = wfbp.time / merged.time
-    lines += ["", f"MG-WFBP (the default planner: the fastest of Algorithm 1's plan, the exact one, one message, DDP's buckets and the tapered ones) vs WFBP, simulated, ResNet-50, "
-              f"64 workers, 2 TFLOP/s, 10 Gbit/s, a(64) = {paper_startup(64) * 1e3:.2f} ms per push: {wfbp.time * 1e3:.0f} -> "
-              f"{merged.time * 1e3:.0f} ms, {mg:.2f} x (Algorithm 1 {wfbp.time / alg1.time:.2f} x, exact {wfbp.time / exact.time:.2f} x)", ""]
+    lines += [
+        "",
+        "MG-WFBP (the default planner: the fastest of Algorithm 1's plan, the exact one, one message, "
+        "DDP's buckets and the tapered ones) vs WFBP, simulated, ResNet-50, "
+        f"64 workers, 2 TFLOP/s, 10 Gbit/s, a(64) = {paper_startup(64) * 1e3:.2f} ms per push: "
+        f"{wfbp.time * 1e3:.0f} -> "
+        f"{merged.time * 1e3:.0f} ms, {mg:.2f} x "
+        f"(Algorithm 1 {wfbp.time / alg1.time:.2f} x, exact {wfbp.time / exact.time:.2f} x)",
+        "",
+    ]
     worst = {c: (max(errs) if errs else None) for c, errs in errors.items()}
     return lines, worst[list(columns)[-1]], worst["ideal links"], mg
 
@@ -345,7 +385,9 @@ def _efficiency(args, worlds: list, rate_bits: float) -> Optional[dict]:
     from bench.patterns import fan_in_efficiency
 
     # The emulation's own links: the scaled, dilated rate, at the worker counts it ran.
-    measured = fan_in_efficiency(worlds, rate_bits / args.scale / args.dilation, seconds=args.efficiency_seconds, repeats=args.efficiency_repeats)
+    measured = fan_in_efficiency(
+        worlds, rate_bits / args.scale / args.dilation, seconds=args.efficiency_seconds, repeats=args.efficiency_repeats
+    )
     print(f"  fan-in efficiency of the emulation's links: {measured}", file=sys.stderr, flush=True)
     with open(saved, "w") as f:
         json.dump(measured, f)
@@ -392,7 +434,12 @@ def figures(out: str, results: dict, args, rate_bits: float) -> list:
         ax.plot(far, far, "k:", label="linear")
         for impl in impls:
             ws = [w for w in worlds if (model, w, impl if w > 1 else "wfbp") in results]
-            ax.plot(ws, [w * single["step_s"] / results[(model, w, impl if w > 1 else "wfbp")]["step_s"] for w in ws], marker="o", label=f"{impl}, emulated")
+            ax.plot(
+                ws,
+                [w * single["step_s"] / results[(model, w, impl if w > 1 else "wfbp")]["step_s"] for w in ws],
+                marker="o",
+                label=f"{impl}, emulated",
+            )
         tr = trace(model, args.batch)
         rate = args.device_tflops * 1e12
         one = Simulator(tr, 1, rate=rate, link=link, mode="wfbp").run().time
@@ -413,7 +460,14 @@ def figures(out: str, results: dict, args, rate_bits: float) -> list:
             xs = [worlds.index(w) + k * width for w in ws]
             bx.bar(xs, [results[(model, w, impl)]["step_s"] * 1e3 for w in ws], width, label=impl)
         bounds = [(lower_bound(results, model, w, rate_bits) or float("nan")) * 1e3 for w in worlds]
-        bx.plot([i + 0.4 - width / 2 for i in range(len(worlds))], bounds, "k_", ms=22, mew=2, label="poseidon's lower bound")
+        bx.plot(
+            [i + 0.4 - width / 2 for i in range(len(worlds))],
+            bounds,
+            "k_",
+            ms=22,
+            mew=2,
+            label="poseidon's lower bound",
+        )
         bx.set_xticks([i + 0.4 - width / 2 for i in range(len(worlds))])
         bx.set_xticklabels([str(w) for w in worlds])
         bx.set_ylim(bottom=0)
@@ -434,27 +488,69 @@ def main(argv=None) -> dict:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--workers", default="1,2,4,8,16")
-    parser.add_argument("--impls", default=",".join(IMPLS), help="of " + ", ".join(IMPLS) + "; poseidon:hybcomm=ps+allreduce narrows HybComm's schemes")
+    parser.add_argument(
+        "--impls",
+        default=",".join(IMPLS),
+        help="of " + ", ".join(IMPLS) + "; poseidon:hybcomm=ps+allreduce narrows HybComm's schemes",
+    )
     parser.add_argument("--link", default="10gbit", help="each worker's link at full size (the paper's 10 GbE)")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--scale", type=float, default=16.0, help="every layer's bytes and the link rate divided by this")
-    parser.add_argument("--dilation", type=float, default=10.0, help="compute and link slowed by this; times divided back")
+    parser.add_argument(
+        "--scale", type=float, default=16.0, help="every layer's bytes and the link rate divided by this"
+    )
+    parser.add_argument(
+        "--dilation", type=float, default=10.0, help="compute and link slowed by this; times divided back"
+    )
     parser.add_argument("--device-tflops", type=float, default=4.2)
-    parser.add_argument("--alpha-us", type=float, default=50.0, help="start-up per message the simulator charges (our event loop's, measured ~50 us)")
+    parser.add_argument(
+        "--alpha-us",
+        type=float,
+        default=50.0,
+        help="start-up per message the simulator charges (our event loop's, measured ~50 us)",
+    )
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=19, help="untimed iterations of a merging mode (merging is planned after 3, then up to 5 plans tried for 3 steps each)")
-    parser.add_argument("--warmup-plain", type=int, default=4, help="untimed iterations of the others (naive, wfbp, ddp: TCP's windows, first-touch pages)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=19,
+        help="untimed iterations of a merging mode "
+        "(merging is planned after 3, then up to 5 plans tried for 3 steps each)",
+    )
+    parser.add_argument(
+        "--warmup-plain",
+        type=int,
+        default=4,
+        help="untimed iterations of the others (naive, wfbp, ddp: TCP's windows, first-touch pages)",
+    )
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--out", default="bench/out", help="where the figures and the raw results go")
-    parser.add_argument("--simulate", action="store_true", default=True, help="run the simulator beside the emulation (default)")
-    parser.add_argument("--no-simulate", dest="simulate", action="store_false")
-    parser.add_argument("--efficiency-seconds", type=float, default=2.0, help="with --efficiency measure: each round of the fan-in patterns moves this many seconds of bytes")
-    parser.add_argument("--efficiency-repeats", type=int, default=7, help="with --efficiency measure: rounds per pattern, the median taken (3 rounds of 1 s spread 0.65-0.82 at 3 senders)")
-    parser.add_argument("--from-json", help="report (tables, simulator, figures) from a saved paper-emulated.json instead of emulating")
     parser.add_argument(
-        "--efficiency", default="measure",
-        help="what the simulator's links deliver with n senders into one: 'measure' (bench patterns' ring and all-to-all on the emulation's "
-             "links at every worker count, saved beside the results; with --from-json, the saved one if any), 'ideal', or 'senders:fraction,...'",
+        "--simulate", action="store_true", default=True, help="run the simulator beside the emulation (default)"
+    )
+    parser.add_argument("--no-simulate", dest="simulate", action="store_false")
+    parser.add_argument(
+        "--efficiency-seconds",
+        type=float,
+        default=2.0,
+        help="with --efficiency measure: each round of the fan-in patterns moves this many seconds of bytes",
+    )
+    parser.add_argument(
+        "--efficiency-repeats",
+        type=int,
+        default=7,
+        help="with --efficiency measure: rounds per pattern, the median taken "
+        "(3 rounds of 1 s spread 0.65-0.82 at 3 senders)",
+    )
+    parser.add_argument(
+        "--from-json", help="report (tables, simulator, figures) from a saved paper-emulated.json instead of emulating"
+    )
+    parser.add_argument(
+        "--efficiency",
+        default="measure",
+        help="what the simulator's links deliver with n senders into one: "
+        "'measure' (bench patterns' ring and all-to-all on the emulation's "
+        "links at every worker count, saved beside the results; with --from-json, the saved one if any), "
+        "'ideal', or 'senders:fraction,...'",
     )
     args = parser.parse_args(argv)
     if args.worker:
@@ -487,18 +583,35 @@ def main(argv=None) -> dict:
                     res = run(model, impl, world, args, rate_bits)
                     results[(model, world, impl)] = res
                     tcp = res.get("tcp", {})
-                    print(f"  {model} x{world} {impl}: {res['step_s'] * 1e3:.0f} ms (timed steps: {tcp.get('retrans_segs', 0)} TCP segments "
-                          f"retransmitted, {tcp.get('timeouts', 0)} retransmission timeouts, all links)", file=sys.stderr, flush=True)
+                    print(
+                        f"  {model} x{world} {impl}: {res['step_s'] * 1e3:.0f} ms "
+                        f"(timed steps: {tcp.get('retrans_segs', 0)} TCP segments "
+                        f"retransmitted, {tcp.get('timeouts', 0)} retransmission timeouts, all links)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         with open(os.path.join(args.out, "paper-emulated.json"), "w") as f:
-            json.dump({f"{m}|{w}|{i}": {k: v for k, v in r.items() if k != "rank0"} | {"schemes": r["rank0"].get("schemes")} for (m, w, i), r in results.items()}, f)
+            json.dump(
+                {
+                    f"{m}|{w}|{i}": {k: v for k, v in r.items() if k != "rank0"}
+                    | {"schemes": r["rank0"].get("schemes")}
+                    for (m, w, i), r in results.items()
+                },
+                f,
+            )
     efficiency = _efficiency(args, worlds, rate_bits) if args.simulate else None
     lines, summary = [], {}
     for model in args.models.split(","):
         single = results[(model, 1, "wfbp")]["step_s"] if (model, 1, "wfbp") in results else None
         lines += [
-            f"{model}: iteration time, ms (full size: bytes x {args.scale:g}, dilation {args.dilation:g} divided out), and speed-up over one worker (P t(1) / t(P))",
+            f"{model}: iteration time, ms (full size: bytes x {args.scale:g}, dilation {args.dilation:g} divided out), "
+            "and speed-up over one worker (P t(1) / t(P))",
             "",
-            "| workers | " + " | ".join(impls) + " | poseidon bound | " + " | ".join(f"speed-up {i}" for i in impls) + " |",
+            "| workers | "
+            + " | ".join(impls)
+            + " | poseidon bound | "
+            + " | ".join(f"speed-up {i}" for i in impls)
+            + " |",
             "|---|" + "---|" * (2 * len(impls) + 1),
         ]
         for world in worlds:
@@ -506,7 +619,11 @@ def main(argv=None) -> dict:
             cells = " | ".join(f"{r['step_s'] * 1e3:.0f}" if r else "-" for r in row)
             bound = lower_bound(results, model, world, rate_bits)
             speed = " | ".join(f"{world * single / r['step_s']:.1f}" if r and single else "-" for r in row)
-            lines.append(f"| {world} | {cells} | {bound * 1e3:.0f} | {speed} |" if bound else f"| {world} | {cells} | - | {speed} |")
+            lines.append(
+                f"| {world} | {cells} | {bound * 1e3:.0f} | {speed} |"
+                if bound
+                else f"| {world} | {cells} | - | {speed} |"
+            )
             for impl, r in zip(impls, row):
                 if r and single:
                     summary[f"speedup_{model}_{impl}_{world}w"] = round(world * single / r["step_s"], 2)
@@ -516,7 +633,12 @@ def main(argv=None) -> dict:
         sim_lines, sim_error, sim_error_ideal, mg_sim = simulate_beside(results, args, rate_bits, efficiency)
         lines += sim_lines
     paths = figures(args.out, results, args, rate_bits)
-    lines += ["", f"Figures: {', '.join(paths)}" if paths else "Figures: skipped (matplotlib is not installed: pip install '.[bench]')"]
+    lines += [
+        "",
+        f"Figures: {', '.join(paths)}"
+        if paths
+        else "Figures: skipped (matplotlib is not installed: pip install '.[bench]')",
+    ]
     print("\n".join(lines))
     out = {
         "bench": "paper",

@@ -109,9 +109,15 @@ def measure(world: int, rate: str, slice_bytes: int, repeats: int, patterns=PATT
     out = {}
     for pattern in patterns:
         with netns.hosts(world, rate) as names:
-            cfgs = [dict(rank=i, world=world, pattern=pattern, slice=slice_bytes, repeats=repeats + 1) for i in range(world)]
+            cfgs = [
+                dict(rank=i, world=world, pattern=pattern, slice=slice_bytes, repeats=repeats + 1) for i in range(world)
+            ]
             procs = [
-                subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "bench", "patterns", "--worker", json.dumps(c)], stdout=subprocess.PIPE, text=True)
+                subprocess.Popen(
+                    ["ip", "netns", "exec", ns, sys.executable, "-m", "bench", "patterns", "--worker", json.dumps(c)],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
                 for ns, c in zip(names, cfgs)
             ]
             per_rank = [json.loads(p.communicate(timeout=600)[0]) for p in procs]
@@ -143,7 +149,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--links", default="100mbit,1gbit")
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--mib", type=float, default=2.6, help="bytes all-reduced per worker, MiB (2.6: the transformer of bench train)")
+    parser.add_argument(
+        "--mib", type=float, default=2.6, help="bytes all-reduced per worker, MiB (2.6: the transformer of bench train)"
+    )
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=2, help="each pattern this many times, interleaved")
     args = parser.parse_args(argv)
@@ -167,7 +175,8 @@ def main(argv=None) -> dict:
             for pattern, seconds in measure(world, link, slice_bytes, args.repeats).items():
                 medians[pattern].append(seconds)
         lines += [
-            f"{world} workers, {link}, {args.mib} MiB all-reduced each, plain asyncio sockets: seconds (median over {args.repeats} of the slowest rank, per round)",
+            f"{world} workers, {link}, {args.mib} MiB all-reduced each, plain asyncio sockets: "
+            f"seconds (median over {args.repeats} of the slowest rank, per round)",
             "",
             "| pattern | " + " | ".join(f"round {i + 1}" for i in range(args.rounds)) + " | ÷ bound |",
             "|---|" + "---|" * (args.rounds + 1),
@@ -178,7 +187,13 @@ def main(argv=None) -> dict:
             lines.append(f"| {pattern} | " + " | ".join(f"{m:.3f}" for m in medians[pattern]) + f" | {ratio:.2f} |")
         lines += [f"bound: {bound:.3f} s", ""]
     print("\n".join(lines))
-    result = {"bench": "patterns", "workers": world, "mib": args.mib, "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}", **summary}
+    result = {
+        "bench": "patterns",
+        "workers": world,
+        "mib": args.mib,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        **summary,
+    }
     print(json.dumps(result))
     return result
 

@@ -88,11 +88,18 @@ def _worker(cfg: dict) -> None:
         results = {}
         for n, (name, shapes, chunk) in enumerate(cases):
             manifest = Manifest(ParamSpec(f"t{i}", s) for i, s in enumerate(shapes))
-            grads = [np.random.default_rng([rank, i]).standard_normal(s, dtype=np.float32) for i, s in enumerate(shapes)]
+            grads = [
+                np.random.default_rng([rank, i]).standard_normal(s, dtype=np.float32) for i, s in enumerate(shapes)
+            ]
             outs = [np.empty_like(g) for g in grads]
             gloo_bufs = [torch.empty(s) for s in shapes]
-            node = await PSNode.start(manifest, PSConfig(chunk_bytes=chunk, sync_timeout=600), rendezvous=rdzv.job(f"case{n}"))
-            reducers = {a: AllReduceSyncer(rank, world, mesh.peers, timeout=600, chunk_bytes=chunk, algorithm=a) for a in ("ring", "direct")}
+            node = await PSNode.start(
+                manifest, PSConfig(chunk_bytes=chunk, sync_timeout=600), rendezvous=rdzv.job(f"case{n}")
+            )
+            reducers = {
+                a: AllReduceSyncer(rank, world, mesh.peers, timeout=600, chunk_bytes=chunk, algorithm=a)
+                for a in ("ring", "direct")
+            }
             reduced = [np.empty_like(g) for g in grads]
             buckets = [Bucket(f"t{i}", [i], [i], [r], grads=[g]) for i, (g, r) in enumerate(zip(grads, reduced))]
             times = {impl: [] for impl in IMPLS}
@@ -105,7 +112,9 @@ def _worker(cfg: dict) -> None:
                 times["gloo"].append(time.perf_counter() - started)
                 await asyncio.to_thread(dist.barrier)
                 started = time.perf_counter()
-                await asyncio.gather(*(node.client.push([i], [g], [o], clock) for i, (g, o) in enumerate(zip(grads, outs))))
+                await asyncio.gather(
+                    *(node.client.push([i], [g], [o], clock) for i, (g, o) in enumerate(zip(grads, outs)))
+                )
                 times["ps"].append(time.perf_counter() - started)
                 for impl, algorithm in (("allreduce", "ring"), ("direct", "direct")):
                     await asyncio.to_thread(dist.barrier)
@@ -162,10 +171,22 @@ def main(argv=None) -> dict:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--links", default="loopback,1gbit")
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--capped-repeats", type=int, default=5, help="repeats on a capped link (VGG19 takes ~7 s a round at 1 Gbit)")
+    parser.add_argument(
+        "--capped-repeats", type=int, default=5, help="repeats on a capped link (VGG19 takes ~7 s a round at 1 Gbit)"
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (TCP buffers, page faults)")
-    parser.add_argument("--sweep", type=lambda s: [int(x) for x in s.split(",") if x], default=[256, 512, 1024, 2048, 4096, 8192, 16384], help="chunk sizes in KiB")
-    parser.add_argument("--bucket-sweep", type=lambda s: [int(x) for x in s.split(",") if x], default=[], help="chunk sizes in KiB for the transformer as one bucket, every link")
+    parser.add_argument(
+        "--sweep",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=[256, 512, 1024, 2048, 4096, 8192, 16384],
+        help="chunk sizes in KiB",
+    )
+    parser.add_argument(
+        "--bucket-sweep",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=[],
+        help="chunk sizes in KiB for the transformer as one bucket, every link",
+    )
     parser.add_argument("--skip-vgg19", action="store_true")
     parser.add_argument("--skip-64mib", action="store_true")
     parser.add_argument("--timeout", type=float, default=3600)
@@ -186,13 +207,16 @@ def main(argv=None) -> dict:
         cfg = {"cases": cases, "warmup": args.warmup, "repeats": repeats}
         if LINKS[link]:
             with netns.hosts(args.workers, LINKS[link]) as names:
-                per_rank = launch("bench.ps", args.workers, cfg, namespaces=names, timeout=args.timeout, what=f"bench ps on {link}")
+                per_rank = launch(
+                    "bench.ps", args.workers, cfg, namespaces=names, timeout=args.timeout, what=f"bench ps on {link}"
+                )
         else:
             per_rank = launch("bench.ps", args.workers, cfg, timeout=args.timeout, what=f"bench ps on {link}")
         lines += [
             f"Aggregation across {args.workers} processes, {link}, seconds (median over {repeats} of the slowest rank)",
             "",
-            "| case | gloo all_reduce | ours (PS) | ours (all-reduce, ring) | ours (all-reduce, direct) | PS ÷ gloo | ring ÷ gloo | direct ÷ gloo |",
+            "| case | gloo all_reduce | ours (PS) | ours (all-reduce, ring) | ours (all-reduce, direct) "
+            "| PS ÷ gloo | ring ÷ gloo | direct ÷ gloo |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for n, (name, _, _) in enumerate(cases):
@@ -200,13 +224,18 @@ def main(argv=None) -> dict:
             for impl in IMPLS:
                 per_repeat = [max(r[f"{n}:{name}"][impl][i] for r in per_rank) for i in range(repeats)]
                 med[impl] = statistics.median(per_repeat)
-            ratio, ar_ratio, direct_ratio = med["ps"] / med["gloo"], med["allreduce"] / med["gloo"], med["direct"] / med["gloo"]
+            ratio, ar_ratio, direct_ratio = (
+                med["ps"] / med["gloo"],
+                med["allreduce"] / med["gloo"],
+                med["direct"] / med["gloo"],
+            )
             suffix = "" if link == "loopback" else f"_{link}"
             summary[f"ratio_vs_gloo_{name.replace('@', '_')}{suffix}"] = round(ratio, 3)
             summary[f"allreduce_vs_gloo_{name.replace('@', '_')}{suffix}"] = round(ar_ratio, 3)
             summary[f"direct_vs_gloo_{name.replace('@', '_')}{suffix}"] = round(direct_ratio, 3)
             lines.append(
-                f"| {name} | {med['gloo']:.3f} | {med['ps']:.3f} | {med['allreduce']:.3f} | {med['direct']:.3f} | {ratio:.2f} | {ar_ratio:.2f} | {direct_ratio:.2f} |"
+                f"| {name} | {med['gloo']:.3f} | {med['ps']:.3f} | {med['allreduce']:.3f} | {med['direct']:.3f} "
+                f"| {ratio:.2f} | {ar_ratio:.2f} | {direct_ratio:.2f} |"
             )
         lines.append("")
     table8, mm8, tf8 = shard_load_table(8)

@@ -8,8 +8,8 @@ and MG-WFBP planners. Sections, each a markdown table:
    workers for VGG19, VGG19-22K, Inception-V3 and ResNet-152, per mode: naive PS, WFBP,
    Poseidon (WFBP + HybComm over PS, SFB and all-reduce + the trainer's default merging,
    ``best``: the fastest of Algorithm 1's plan, the exact one, one message, DDP's buckets and the
-   tapered ones, or none, as its trials keep), Poseidon with the paper's HybComm (PS and SFB) and DDP (gloo's ring over 25 MiB
-   buckets); at the paper's setting, a Titan X (6 TFLOP/s effective) on 10 GbE, then 40 GbE;
+   tapered ones, or none, as its trials keep), Poseidon with the paper's HybComm (PS and SFB) and DDP
+   (gloo's ring over 25 MiB buckets); at the paper's setting, a Titan X (6 TFLOP/s effective) on 10 GbE, then 40 GbE;
    then the 10 GbE figures at 32 and 1024 workers with the start-up charged as latency in
    flight instead of sender time (the two bounds of the network model).
 2. HybComm's switch points: where each fully-connected layer leaves SFB as P grows (SFB's bytes
@@ -89,7 +89,10 @@ def scaling(models, workers, rate, alpha, efficiency=None) -> dict:
             tr = trace(model, PAPER_BATCH[model])
             rows = out[net][model] = {}
             for label, mode, extra in SCHEMES:
-                rows[label] = {p: Simulator(tr, p, rate=rate, link=link, mode=mode, efficiency=efficiency, **extra).run() for p in workers}
+                rows[label] = {
+                    p: Simulator(tr, p, rate=rate, link=link, mode=mode, efficiency=efficiency, **extra).run()
+                    for p in workers
+                }
     return out
 
 
@@ -130,7 +133,9 @@ def latency_sensitivity(results, models, rate, alpha, points, efficiency=None) -
         for label, mode, extra in SCHEMES:
             cells = []
             for p in points:
-                lat = Simulator(tr, p, rate=rate, link=link, mode=mode, latency=alpha, efficiency=efficiency, **extra).run()
+                lat = Simulator(
+                    tr, p, rate=rate, link=link, mode=mode, latency=alpha, efficiency=efficiency, **extra
+                ).run()
                 cells += [f"{rows[label][p].speedup(one):.1f}", f"{lat.speedup(one):.1f}"]
             lines.append(f"| {model} | {label} | " + " | ".join(cells) + " |")
     return lines
@@ -179,14 +184,19 @@ def switch_points(results, net: str) -> tuple:
             b = runs_of((p, ours[p].schemes[layer.name]) for p in ps)
             lines.append(f"| {model} | {layer.name} ({m} x {n}) | {crossover:.0f} | {a} | {b} |")
             last_sfb = max((p for p in ps if ours[p].schemes[layer.name] == "sfb"), default=None)
-            summary[f"{model}.{layer.name}"] = {"p_star": round(crossover, 1), "last_sfb_poseidon": last_sfb,
-                                                "last_sfb_paper": max((p for p in ps if paper[p].schemes[layer.name] == "sfb"), default=None)}
+            summary[f"{model}.{layer.name}"] = {
+                "p_star": round(crossover, 1),
+                "last_sfb_poseidon": last_sfb,
+                "last_sfb_paper": max((p for p in ps if paper[p].schemes[layer.name] == "sfb"), default=None),
+            }
         others = [layer.name for layer in tr if not layer.fully_connected]
         cells = []
         for p in ps:
             n_ar = sum(ours[p].schemes[name] == "allreduce" for name in others)
             cells.append(f"{p}: {n_ar}")
-        lines.append(f"| {model} | other {len(others)} layers: how many by AR (rest PS) | - | PS | {', '.join(cells)} |")
+        lines.append(
+            f"| {model} | other {len(others)} layers: how many by AR (rest PS) | - | PS | {', '.join(cells)} |"
+        )
     return lines, summary
 
 
@@ -223,7 +233,8 @@ def merging_on_the_ps(models, rate, alpha, points) -> tuple:
         "buys), so once the model is under P x 2 MiB a merged group's 2 MiB units land on a few shards, and each of "
         "those shards replies P - 1 times.",
         "",
-        "| model | workers | speed-up, unmerged | speed-up, Algorithm 1 | groups | busiest link MB, unmerged | busiest link MB, Algorithm 1 |",
+        "| model | workers | speed-up, unmerged | speed-up, Algorithm 1 | groups "
+        "| busiest link MB, unmerged | busiest link MB, Algorithm 1 |",
         "|---|---|---|---|---|---|---|",
     ]
     summary = {}
@@ -234,11 +245,16 @@ def merging_on_the_ps(models, rate, alpha, points) -> tuple:
             sim = Simulator(tr, p, rate=rate, link=link, mode="poseidon", hybcomm=PAPER_SCHEMES)
             none, alg1 = sim.run("none"), sim.run("algorithm1")
             lines.append(
-                f"| {model} | {p} | {none.speedup(one):.1f} | {alg1.speedup(one):.1f} | {len(alg1.groups.get('ps', ()))} | "
+                f"| {model} | {p} | {none.speedup(one):.1f} | {alg1.speedup(one):.1f} | "
+                f"{len(alg1.groups.get('ps', ()))} | "
                 f"{none.link_bytes / 1e6:.0f} | {alg1.link_bytes / 1e6:.0f} |"
             )
-            summary[f"{model}_{p}"] = {"unmerged": round(none.speedup(one), 1), "algorithm1": round(alg1.speedup(one), 1),
-                                       "link_mb_unmerged": round(none.link_bytes / 1e6), "link_mb_algorithm1": round(alg1.link_bytes / 1e6)}
+            summary[f"{model}_{p}"] = {
+                "unmerged": round(none.speedup(one), 1),
+                "algorithm1": round(alg1.speedup(one), 1),
+                "link_mb_unmerged": round(none.link_bytes / 1e6),
+                "link_mb_algorithm1": round(alg1.link_bytes / 1e6),
+            }
     return lines, summary
 
 
@@ -254,22 +270,40 @@ def mgwfbp(workers, rates) -> tuple:
             for p in workers if rate == rates[0] else [64 if 64 in workers else max(workers)]:
                 if variant == "ps":
                     # bench mgwfbp: 10 Gbit/s egress, a(P) of link time on every push.
-                    sim = Simulator(tr, p, rate=rate, link=Link.of_bandwidth(10e9 / 8, paper_startup(p)), mode="mgwfbp", costed=[Kind.PUSH])
+                    sim = Simulator(
+                        tr,
+                        p,
+                        rate=rate,
+                        link=Link.of_bandwidth(10e9 / 8, paper_startup(p)),
+                        mode="mgwfbp",
+                        costed=[Kind.PUSH],
+                    )
                 else:
-                    sim = Simulator(tr, p, rate=rate, link=Link.of_bandwidth(10e9 / 8, ALPHA), mode="poseidon", hybcomm=(Scheme.ALLREDUCE,))
+                    sim = Simulator(
+                        tr,
+                        p,
+                        rate=rate,
+                        link=Link.of_bandwidth(10e9 / 8, ALPHA),
+                        mode="poseidon",
+                        hybcomm=(Scheme.ALLREDUCE,),
+                    )
                 runs = {kind: sim.run(kind) for kind in ("none", "single", "algorithm1", "optimal", "best")}
                 rows.append((variant, rate, p, runs))
     lines = []
     for variant, title in (
         ("ps", "(a) PS, a(P) = 2 (P - 1) x 45.26 us on every push (bench mgwfbp's emulation): modes wfbp and mgwfbp"),
-        ("allreduce", "(b) all-reduce, 45.26 us on every message (the paper's setting): mode poseidon, hybcomm=('allreduce',)"),
+        (
+            "allreduce",
+            "(b) all-reduce, 45.26 us on every message (the paper's setting): mode poseidon, hybcomm=('allreduce',)",
+        ),
     ):
         lines += [
             "",
             f"MG-WFBP on ResNet-50 (107 layers, batch 32), 10 Gbit/s; {title}. Iteration ms; groups = messages per "
             "iteration's merge plan (layers travelling together).",
             "",
-            "| TFLOP/s | workers | a(P) | WFBP | single | Algorithm 1 | exact | Alg. 1 vs WFBP | exact vs WFBP | groups (Alg. 1 / exact) |",
+            "| TFLOP/s | workers | a(P) | WFBP | single | Algorithm 1 | exact "
+            "| Alg. 1 vs WFBP | exact vs WFBP | groups (Alg. 1 / exact) |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for v, rate, p, runs in rows:
@@ -278,8 +312,10 @@ def mgwfbp(workers, rates) -> tuple:
             w, s, a, o = (runs[k] for k in ("none", "single", "algorithm1", "optimal"))
             groups = lambda it: sum(len(g) for g in it.groups.values())  # noqa: E731
             lines.append(
-                f"| {rate / 1e12:g} | {p} | {paper_startup(p) * 1e3:.2f} ms | {w.time * 1e3:.0f} | {s.time * 1e3:.0f} | "
-                f"{a.time * 1e3:.0f} | {o.time * 1e3:.0f} | {w.time / a.time:.2f} | {w.time / o.time:.2f} | {groups(a)} / {groups(o)} |"
+                f"| {rate / 1e12:g} | {p} | {paper_startup(p) * 1e3:.2f} ms | "
+                f"{w.time * 1e3:.0f} | {s.time * 1e3:.0f} | "
+                f"{a.time * 1e3:.0f} | {o.time * 1e3:.0f} | {w.time / a.time:.2f} | {w.time / o.time:.2f} | "
+                f"{groups(a)} / {groups(o)} |"
             )
     return lines, rows
 
@@ -305,11 +341,14 @@ def planner_sweep(models, workers, alphas, rates) -> tuple:
         f"Algorithm 1 against the exact planner, each planned as the trainer plans (calibrated start-up, "
         f"per-byte cost refit from a measured unmerged step), then simulated: {len(records)} cases "
         f"(modes mgwfbp and poseidon; {', '.join(models)}; {workers[0]}-{workers[-1]} workers; "
-        f"alpha {', '.join(f'{a * 1e6:g}' for a in alphas)} us; {', '.join(f'{r / 1e12:g}' for r in rates)} TFLOP/s; 10 GbE). "
+        f"alpha {', '.join(f'{a * 1e6:g}' for a in alphas)} us; "
+        f"{', '.join(f'{r / 1e12:g}' for r in rates)} TFLOP/s; 10 GbE). "
         "Ratio = exact / Algorithm 1 iteration time (above 1: the exact planner's plan is slower).",
         "",
-        "| mode | cases | exact slower (> 0.1 %) | exact faster (> 0.1 %) | within 0.1 % | worst ratio | best ratio | median "
-        "| Alg. 1 slower than no merging | exact slower than no merging | default (best) faster than Alg. 1 (> 0.1 %) | its best gain |",
+        "| mode | cases | exact slower (> 0.1 %) | exact faster (> 0.1 %) | within 0.1 % "
+        "| worst ratio | best ratio | median "
+        "| Alg. 1 slower than no merging | exact slower than no merging "
+        "| default (best) faster than Alg. 1 (> 0.1 %) | its best gain |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     summary = {}
@@ -330,18 +369,26 @@ def planner_sweep(models, workers, alphas, rates) -> tuple:
             f"| {alg1_hurts} | {exact_hurts} | {sum(g > 1.001 for g in gains)} | {max(gains):.2f} x |"
         )
         summary[mode] = {
-            "cases": len(rs), "exact_slower": len(worse), "exact_faster": len(better),
-            "worst_ratio": round(worst[0], 4), "worst_case": _case(worst[1]),
-            "best_ratio": round(best[0], 4), "best_case": _case(best[1]), "median_ratio": round(statistics.median(ratios), 5),
-            "alg1_slower_than_unmerged": alg1_hurts, "exact_slower_than_unmerged": exact_hurts,
-            "best_faster_than_alg1": sum(g > 1.001 for g in gains), "best_max_gain_over_alg1": round(max(gains), 3),
+            "cases": len(rs),
+            "exact_slower": len(worse),
+            "exact_faster": len(better),
+            "worst_ratio": round(worst[0], 4),
+            "worst_case": _case(worst[1]),
+            "best_ratio": round(best[0], 4),
+            "best_case": _case(best[1]),
+            "median_ratio": round(statistics.median(ratios), 5),
+            "alg1_slower_than_unmerged": alg1_hurts,
+            "exact_slower_than_unmerged": exact_hurts,
+            "best_faster_than_alg1": sum(g > 1.001 for g in gains),
+            "best_max_gain_over_alg1": round(max(gains), 3),
         }
     lines += [
         "",
         "The same cases by worker count (both modes): where each planner loses, and where merging at all loses to "
         "sending every layer alone.",
         "",
-        "| workers | cases | exact slower | exact faster | worst ratio | Alg. 1 slower than no merging | exact slower than no merging |",
+        "| workers | cases | exact slower | exact faster | worst ratio "
+        "| Alg. 1 slower than no merging | exact slower than no merging |",
         "|---|---|---|---|---|---|---|",
     ]
     by_p = {}
@@ -349,8 +396,11 @@ def planner_sweep(models, workers, alphas, rates) -> tuple:
         rs = [r for r in records if r[2] == p]
         ratios = [o / a for *_, a, o, _ in rs]
         row = {
-            "cases": len(rs), "exact_slower": sum(x > 1.001 for x in ratios), "exact_faster": sum(x < 1 / 1.001 for x in ratios),
-            "worst_ratio": round(max(ratios), 3), "alg1_slower_than_unmerged": sum(a > n * 1.001 for *_, n, a, o, _ in rs),
+            "cases": len(rs),
+            "exact_slower": sum(x > 1.001 for x in ratios),
+            "exact_faster": sum(x < 1 / 1.001 for x in ratios),
+            "worst_ratio": round(max(ratios), 3),
+            "alg1_slower_than_unmerged": sum(a > n * 1.001 for *_, n, a, o, _ in rs),
             "exact_slower_than_unmerged": sum(o > n * 1.001 for *_, n, a, o, _ in rs),
         }
         by_p[p] = row
@@ -361,7 +411,10 @@ def planner_sweep(models, workers, alphas, rates) -> tuple:
 
 def _case(r) -> str:
     mode, model, p, alpha, rate, n, a, o, _ = r
-    return f"{mode} {model} P={p} alpha={alpha * 1e6:g}us {rate / 1e12:g}TF: {a * 1e3:.0f} vs {o * 1e3:.0f} ms (unmerged {n * 1e3:.0f})"
+    return (
+        f"{mode} {model} P={p} alpha={alpha * 1e6:g}us {rate / 1e12:g}TF: "
+        f"{a * 1e3:.0f} vs {o * 1e3:.0f} ms (unmerged {n * 1e3:.0f})"
+    )
 
 
 # -- figures -------------------------------------------------------------------------------------
@@ -421,13 +474,20 @@ def figures(out: str, results, workers, mg_rows, p_breakdown: int) -> list:
     for ax, variant in zip(axes, ("ps", "allreduce")):
         rows = [r for r in mg_rows if r[0] == variant and r[1] == mg_rows[0][1]]
         ps = [r[2] for r in rows]
-        for kind, label in (("none", "WFBP"), ("single", "single message"), ("algorithm1", "MG-WFBP, Algorithm 1"), ("optimal", "MG-WFBP, exact")):
+        for kind, label in (
+            ("none", "WFBP"),
+            ("single", "single message"),
+            ("algorithm1", "MG-WFBP, Algorithm 1"),
+            ("optimal", "MG-WFBP, exact"),
+        ):
             ax.plot(ps, [r[3][kind].time * 1e3 for r in rows], marker="o", ms=3, label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("workers")
         ax.set_ylabel("iteration, ms")
-        ax.set_title(f"ResNet-50, 10 Gbit/s, {'PS, a(P) per push' if variant == 'ps' else 'all-reduce, alpha per message'}")
+        ax.set_title(
+            f"ResNet-50, 10 Gbit/s, {'PS, a(P) per push' if variant == 'ps' else 'all-reduce, alpha per message'}"
+        )
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -447,9 +507,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--sweep", choices=("full", "quick", "none"), default="full", help="section 5's size")
     parser.add_argument("--out", default=os.path.join("bench", "out"), help="folder for the PNG figures")
     parser.add_argument(
-        "--efficiency", default=None,
-        help="sections 1-3 on links that deliver a fraction of their rate with n senders into one, 'senders:fraction,...' "
-             "(measure yours with bench.patterns.fan_in_efficiency; default: ideal links)",
+        "--efficiency",
+        default=None,
+        help="sections 1-3 on links that deliver a fraction of their rate with n senders into one, "
+        "'senders:fraction,...' "
+        "(measure yours with bench.patterns.fan_in_efficiency; default: ideal links)",
     )
     a = parser.parse_args(argv)
     started = time.perf_counter()
@@ -458,7 +520,9 @@ def main(argv=None) -> dict:
     rate, alpha = a.tflops * 1e12, a.alpha_us * 1e-6
     efficiency = FlowEfficiency.parse(a.efficiency) if a.efficiency else None
     results = scaling(models, workers, rate, alpha, efficiency)
-    lines = [f"Simulated iteration (plan/simulator); start-up {a.alpha_us:g} us per message; links {efficiency or 'ideal'}."]
+    lines = [
+        f"Simulated iteration (plan/simulator); start-up {a.alpha_us:g} us per message; links {efficiency or 'ideal'}."
+    ]
     lines += scaling_tables(results, workers, rate)
     lines += latency_sensitivity(results, models, rate, alpha, sorted({min(32, workers[-1]), workers[-1]}), efficiency)
     switch_lines, switch = switch_points(results, "10GbE")
@@ -481,7 +545,12 @@ def main(argv=None) -> dict:
     else:
         sweep = None
     paths = figures(a.out, results, workers, mg_rows, p_breakdown)
-    lines += ["", f"Figures: {', '.join(paths)}" if paths else "Figures: skipped (matplotlib is not installed: pip install '.[bench]')"]
+    lines += [
+        "",
+        f"Figures: {', '.join(paths)}"
+        if paths
+        else "Figures: skipped (matplotlib is not installed: pip install '.[bench]')",
+    ]
     print("\n".join(lines))
 
     def ratio(variant, rate, p, kind):
@@ -499,8 +568,12 @@ def main(argv=None) -> dict:
             out[f"speedup_best_vs_wfbp_{p}_sim{suffix}"] = ratio(variant, K80, p, "best")
     for tflops in (8e12, 32e12):
         for variant, suffix in (("ps", ""), ("allreduce", "_allreduce")):
-            out[f"speedup_mgwfbp_vs_wfbp_{min(64, top)}_sim{suffix}_at_{tflops / 1e12:g}tflops"] = ratio(variant, tflops, min(64, top), "algorithm1")
-            out[f"speedup_optimal_vs_wfbp_{min(64, top)}_sim{suffix}_at_{tflops / 1e12:g}tflops"] = ratio(variant, tflops, min(64, top), "optimal")
+            out[f"speedup_mgwfbp_vs_wfbp_{min(64, top)}_sim{suffix}_at_{tflops / 1e12:g}tflops"] = ratio(
+                variant, tflops, min(64, top), "algorithm1"
+            )
+            out[f"speedup_optimal_vs_wfbp_{min(64, top)}_sim{suffix}_at_{tflops / 1e12:g}tflops"] = ratio(
+                variant, tflops, min(64, top), "optimal"
+            )
     for net, by_model in results.items():
         for model, rows in by_model.items():
             one = rows["WFBP"][1]

@@ -32,7 +32,14 @@ def rss_bytes() -> int:
 
 
 def _worker(rank: int, world: int, port: int, steps: int, every: int, trace: str, ring: int, out) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), POSEIDON_TOKEN=BENCH_TOKEN)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        POSEIDON_TOKEN=BENCH_TOKEN,
+    )
     import torch
     from torch import nn
 
@@ -42,8 +49,16 @@ def _worker(rank: int, world: int, port: int, steps: int, every: int, trace: str
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
-        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(rank)
@@ -92,8 +107,14 @@ def main(argv=None) -> None:
         parser.error("--warmup must be a multiple of --every and below --steps")
     with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:  # the traced run's file goes with it
         runs = {"trace off": "", f"trace on (ring {args.ring})": os.path.join(tmp, "soak.json")}
-        print(f"# bench soak: {args.workers} workers, {args.steps} steps, RSS every {args.every} steps, growth from step {args.warmup}")
-        print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}")
+        print(
+            f"# bench soak: {args.workers} workers, {args.steps} steps, "
+            f"RSS every {args.every} steps, growth from step {args.warmup}"
+        )
+        print(
+            f"# {platform.machine()}, {os.cpu_count()} cores, "
+            f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}"
+        )
         print()
         print("| run | steps/s | RSS at warm-up (MiB) | RSS at end (MiB) | growth (largest rank) |")
         print("|---|---|---|---|---|")
@@ -111,8 +132,18 @@ def main(argv=None) -> None:
             figures[label] = round(growth, 2)
             print(f"| {label} | {rate:.0f} | {start / 2**20:.1f} | {end / 2**20:.1f} | {growth:+.2f} % |")
         print()
-        print(json.dumps({"bench": "soak", "workers": args.workers, "steps": args.steps, "warmup": args.warmup,
-                          "rss_growth_pct": figures, "max_rss_growth_pct": max(figures.values())}))
+        print(
+            json.dumps(
+                {
+                    "bench": "soak",
+                    "workers": args.workers,
+                    "steps": args.steps,
+                    "warmup": args.warmup,
+                    "rss_growth_pct": figures,
+                    "max_rss_growth_pct": max(figures.values()),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -124,12 +124,23 @@ def worker(cfg: dict) -> None:
                 chunk_bytes=int(variant.get("chunk", poseidon_aio.PSConfig.chunk_bytes)),
             )
             allreduce = AllReduceConfig(variant.get("allreduce", cfg["allreduce"]))
-            early = OptimizerConfig(early_step_bytes=int(variant.get("early", OptimizerConfig.early_step_bytes)) or None)
+            early = OptimizerConfig(
+                early_step_bytes=int(variant.get("early", OptimizerConfig.early_step_bytes)) or None
+            )
             kind = variant.get("merge", cfg.get("merge"))
             merge = MergeConfig(kind=kind) if kind and mode != "wfbp" else None
             hybcomm = {"hybcomm": tuple(variant["hybcomm"].split("+"))} if "hybcomm" in variant else {}
             async with poseidon_aio.Trainer(
-                model, opt, loss_fn, mode=mode, net=net, ps=ps, merge=merge, allreduce=allreduce, optimizer_config=early, **hybcomm
+                model,
+                opt,
+                loss_fn,
+                mode=mode,
+                net=net,
+                ps=ps,
+                merge=merge,
+                allreduce=allreduce,
+                optimizer_config=early,
+                **hybcomm,
             ) as trainer:
                 for t in range(total):
                     started, cpu0, loop0 = time.perf_counter(), time.process_time(), time.thread_time()
@@ -142,7 +153,7 @@ def worker(cfg: dict) -> None:
                 return stats, trainer.merge_groups, trainer.merge_info
 
         stats, groups, info = poseidon_aio.run(main())
-        stats = stats[cfg["warmup"]:]
+        stats = stats[cfg["warmup"] :]
         extra = {
             "schemes": stats[-1].schemes,
             "groups": [g for g in groups if len(g) > 1],  # the merged messages in force at the end
@@ -150,10 +161,10 @@ def worker(cfg: dict) -> None:
             "plan": {k: info[k] for k in ("alpha_s", "serial_s", "predicted_s", "trial") if k in (info or {})},
             "compute_s": statistics.median(s.compute_s for s in stats),
             "bytes": statistics.median(sum(s.bytes.values()) for s in stats),
-            "loop_cpu_s": statistics.median(loop_cpu[cfg["warmup"]:]),
+            "loop_cpu_s": statistics.median(loop_cpu[cfg["warmup"] :]),
         }
     with open(cfg["out"], "w") as f:
-        json.dump({"times": times[cfg["warmup"]:], "cpu": cpu[cfg["warmup"]:], **extra}, f)
+        json.dump({"times": times[cfg["warmup"] :], "cpu": cpu[cfg["warmup"] :], **extra}, f)
     # gloo's teardown can hang once peers are gone; the result is written, leave at once.
     sys.stdout.flush()
     os._exit(0)
@@ -164,8 +175,26 @@ def worker(cfg: dict) -> None:
 
 def run_config(impl: str, model: str, world: int, link: str, compute: str, args, namespaces) -> dict:
     shaper_rate = RATES[link][1] if link != "loopback" and not namespaces and impl_variant(impl)[0] != "ddp" else None
-    cfg = dict(impl=impl, model=model, compute=compute, tflops=args.device_tflops, warmup=args.warmup, steps=args.steps, shaper_rate=shaper_rate, allreduce=args.allreduce, merge=args.merge, group_spread_bytes=args.group_spread_bytes)
-    ranks = launch("bench.train", world, cfg, namespaces=namespaces, timeout=args.timeout, what=f"{impl} {model} x{world} on {link} ({compute})")
+    cfg = dict(
+        impl=impl,
+        model=model,
+        compute=compute,
+        tflops=args.device_tflops,
+        warmup=args.warmup,
+        steps=args.steps,
+        shaper_rate=shaper_rate,
+        allreduce=args.allreduce,
+        merge=args.merge,
+        group_spread_bytes=args.group_spread_bytes,
+    )
+    ranks = launch(
+        "bench.train",
+        world,
+        cfg,
+        namespaces=namespaces,
+        timeout=args.timeout,
+        what=f"{impl} {model} x{world} on {link} ({compute})",
+    )
     # The job's step is its slowest rank's.
     steps = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
     result = {"step_s": statistics.median(steps), "rank0": ranks[0], "cpu_s": job_cpu(ranks)}
@@ -190,18 +219,48 @@ def main(argv=None) -> dict:
 
     parser = argparse.ArgumentParser(prog="python -m bench train", description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--setups", default=",".join(f"{link}:{compute}" for link, compute in SETUPS), help="link:compute pairs")
+    parser.add_argument(
+        "--setups", default=",".join(f"{link}:{compute}" for link, compute in SETUPS), help="link:compute pairs"
+    )
     parser.add_argument("--models", default="fc,cnn,resnet,transformer")
     parser.add_argument("--workers", default="2,4")
-    parser.add_argument("--impls", default=",".join(IMPLS), help="ddp, wfbp, poseidon; a variant of ours runs beside them as e.g. poseidon:chunk=262144:merge=single")
+    parser.add_argument(
+        "--impls",
+        default=",".join(IMPLS),
+        help="ddp, wfbp, poseidon; a variant of ours runs beside them as e.g. poseidon:chunk=262144:merge=single",
+    )
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=1, help="runs of every implementation per row, interleaved; the row is their median, its speedup the median of the repeats' ratios (min–max shown)")
-    parser.add_argument("--warmup", type=int, default=19, help="untimed steps (merging is planned after 3, then up to 5 plans tried for 3 steps each)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of every implementation per row, interleaved; the row is their median, "
+        "its speedup the median of the repeats' ratios (min–max shown)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=19,
+        help="untimed steps (merging is planned after 3, then up to 5 plans tried for 3 steps each)",
+    )
     parser.add_argument("--device-tflops", type=float, default=6.0, help="replayed device rate, TFLOP/s")
     parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--allreduce", default="auto", choices=("auto", "ring", "direct"), help="AllReduceConfig.algorithm for our runs")
-    parser.add_argument("--group-spread-bytes", type=int, default=None, help="PSConfig.group_spread_bytes for our runs (0: every merge group on one shard; default: from the measured link)")
-    parser.add_argument("--merge", default=None, choices=("none", "algorithm1", "optimal", "best", "single", "buckets", "tapered"), help="MergeConfig.kind for our runs (default: the trainer's)")
+    parser.add_argument(
+        "--allreduce", default="auto", choices=("auto", "ring", "direct"), help="AllReduceConfig.algorithm for our runs"
+    )
+    parser.add_argument(
+        "--group-spread-bytes",
+        type=int,
+        default=None,
+        help="PSConfig.group_spread_bytes for our runs "
+        "(0: every merge group on one shard; default: from the measured link)",
+    )
+    parser.add_argument(
+        "--merge",
+        default=None,
+        choices=("none", "algorithm1", "optimal", "best", "single", "buckets", "tapered"),
+        help="MergeConfig.kind for our runs (default: the trainer's)",
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
@@ -217,11 +276,15 @@ def main(argv=None) -> dict:
     rows, summary = [], {}
     notes = [f"replayed device rate {args.device_tflops} TFLOP/s"]
     if not capped:
-        notes.append(f"network namespaces unavailable ({why}): our processes were capped by the library's shaper, DDP ran UNCAPPED")
+        notes.append(
+            f"network namespaces unavailable ({why}): "
+            "our processes were capped by the library's shaper, DDP ran UNCAPPED"
+        )
     saved = compute_saved_by_factors()
     notes.append(
         f"SFB layers compute no weight gradient: the fc model's forward+backward on this CPU takes "
-        f"{saved['factored'] * 1e3:.1f} ms instead of {saved['autograd'] * 1e3:.1f} ms with autograd's (one process, real compute)"
+        f"{saved['factored'] * 1e3:.1f} ms instead of {saved['autograd'] * 1e3:.1f} ms with autograd's "
+        "(one process, real compute)"
     )
     for setup in args.setups.split(","):
         link, compute = setup.split(":")
@@ -239,10 +302,27 @@ def main(argv=None) -> dict:
                         else:
                             result = run_config(impl, model, world, link, compute, args, None)
                         runs[impl].append(result)
-                        print(f"  {link} {compute} {model} x{world} {impl}" + (f" (repeat {rep + 1})" if args.repeats > 1 else "") + f": {result['step_s'] * 1e3:.1f} ms, CPU {result['cpu_s'] * 1e3:.1f} ms a step (all ranks)"
-                            + (f", event loop CPU per rank {[round(c * 1e3, 1) for c in result['loop_cpu_s']]} ms" if "loop_cpu_s" in result else ""), file=sys.stderr, flush=True)
+                        print(
+                            f"  {link} {compute} {model} x{world} {impl}"
+                            + (f" (repeat {rep + 1})" if args.repeats > 1 else "")
+                            + f": {result['step_s'] * 1e3:.1f} ms, "
+                            f"CPU {result['cpu_s'] * 1e3:.1f} ms a step (all ranks)"
+                            + (
+                                f", event loop CPU per rank {[round(c * 1e3, 1) for c in result['loop_cpu_s']]} ms"
+                                if "loop_cpu_s" in result
+                                else ""
+                            ),
+                            file=sys.stderr,
+                            flush=True,
+                        )
                 results = {impl: median_run(runs[impl]) for impl in impls}
-                row = {"link": link, "compute": compute, "model": model, "workers": world, **{i: results[i]["step_s"] for i in impls}}
+                row = {
+                    "link": link,
+                    "compute": compute,
+                    "model": model,
+                    "workers": world,
+                    **{i: results[i]["step_s"] for i in impls},
+                }
                 row["cpu"] = {i: results[i]["cpu_s"] for i in impls}
                 tag = f"{model}_{link}_{compute}_{world}w"
                 if "poseidon" in results:
@@ -259,10 +339,16 @@ def main(argv=None) -> dict:
                     summary[f"speedup_vs_ddp_{tag}"] = round(row["speedup"], 2)
                 rows.append(row)
     lines = [
-        "Step time, ms (median of the slowest rank); speedup = DDP ÷ poseidon (with repeats: the median of the repeats' ratios, min–max); bound = max(compute, busiest link bytes ÷ rate); "
+        "Step time, ms (median of the slowest rank); "
+        "speedup = DDP ÷ poseidon (with repeats: the median of the repeats' ratios, min–max); "
+        "bound = max(compute, busiest link bytes ÷ rate); "
         "CPU a step = every thread's CPU ms, summed over the ranks (this host's cores are shared by all of them)",
         "",
-        "| link | compute | model | workers | " + " | ".join(impls) + " | bound | poseidon ÷ bound | speedup vs DDP | CPU a step, all ranks: " + " / ".join(impls) + " |",
+        "| link | compute | model | workers | "
+        + " | ".join(impls)
+        + " | bound | poseidon ÷ bound | speedup vs DDP | CPU a step, all ranks: "
+        + " / ".join(impls)
+        + " |",
         "|---|---|---|---|" + "---|" * (len(impls) + 4),
     ]
     for r in rows:
@@ -272,23 +358,38 @@ def main(argv=None) -> dict:
         speedup = f"{r.get('speedup', float('nan')):.2f}"
         if args.repeats > 1 and "spread" in r:
             speedup += f" ({r['spread'][0]:.2f}–{r['spread'][1]:.2f})"
-        lines.append(f"| {r['link']} | {r['compute']} | {r['model']} | {r['workers']} | {cells} | {bound} | {speedup} | {cpu} |")
+        lines.append(
+            f"| {r['link']} | {r['compute']} | {r['model']} | {r['workers']} | {cells} | {bound} | {speedup} | {cpu} |"
+        )
     print("\n".join(lines))
     for n in notes:
         print(f"\nnote: {n}")
     for r in rows:
         if r.get("schemes"):
             print(f"poseidon schemes ({r['model']}, x{r['workers']}, {r['link']}, {r['compute']}): {r['schemes']}")
-            print(f"poseidon merged messages ({r['model']}, x{r['workers']}, {r['link']}, {r['compute']}): {r.get('groups') or 'none'}")
+            print(
+                f"poseidon merged messages ({r['model']}, x{r['workers']}, {r['link']}, {r['compute']}): "
+                f"{r.get('groups') or 'none'}"
+            )
             if r.get("plan"):
                 plan = r["plan"]
                 predicted = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in plan.get("predicted_s", {}).items())
-                print(f"  the planner's: a message {plan.get('alpha_s', 0) * 1e3:.2f} ms on the link, {plan.get('serial_s', 0) * 1e3:.2f} ms of the backward; predicted ms: {predicted}")
+                print(
+                    f"  the planner's: a message {plan.get('alpha_s', 0) * 1e3:.2f} ms on the link, "
+                    f"{plan.get('serial_s', 0) * 1e3:.2f} ms of the backward; predicted ms: {predicted}"
+                )
                 if plan.get("trial"):
                     trial = plan["trial"]
-                    verdict = f"{trial.get('planner', 'the plan')} kept" if trial["kept"] else "dropped for one message per layer"
+                    verdict = (
+                        f"{trial.get('planner', 'the plan')} kept"
+                        if trial["kept"]
+                        else "dropped for one message per layer"
+                    )
                     tried = ", ".join(f"{name} {ms * 1e3:.1f}" for name, ms in trial.get("tried", {}).items())
-                    print(f"  its trial: ms a step {tried or trial['planned_s'] * 1e3} against {trial['unmerged_s'] * 1e3:.1f} unmerged: {verdict}")
+                    print(
+                        f"  its trial: ms a step {tried or trial['planned_s'] * 1e3} "
+                        f"against {trial['unmerged_s'] * 1e3:.1f} unmerged: {verdict}"
+                    )
     speedups = [r["speedup"] for r in rows if "speedup" in r]
     bounds = [r["over_bound"] for r in rows if "over_bound" in r]
     out = {

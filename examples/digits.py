@@ -103,7 +103,13 @@ async def distributed(args, train, test):
         if sys.stdout.isatty():
             from tqdm import tqdm
 
-            bar = tqdm(total=steps * args.epochs, desc=f"{world} workers, {args.mode}", unit="step", file=sys.stdout, mininterval=1.0)
+            bar = tqdm(
+                total=steps * args.epochs,
+                desc=f"{world} workers, {args.mode}",
+                unit="step",
+                file=sys.stdout,
+                mininterval=1.0,
+            )
         else:  # a log file: a line per tenth of the run, not a bar redrawn with carriage returns
             every = max(1, steps * args.epochs // 10)
     started, stalled, moved, schemes = time.perf_counter(), 0.0, {}, {}
@@ -111,9 +117,13 @@ async def distributed(args, train, test):
     if args.compression != "none":
         from poseidon_aio.plan import CompressionConfig, Link
 
-        link = Link.of_bandwidth(args.plan_bandwidth / 8, 1e-4) if args.plan_bandwidth else None  # 100 us a round: a LAN's
+        link = (
+            Link.of_bandwidth(args.plan_bandwidth / 8, 1e-4) if args.plan_bandwidth else None
+        )  # 100 us a round: a LAN's
         compression = CompressionConfig(args.compression, link=link)
-    async with poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, mode=args.mode, compression=compression) as trainer:
+    async with poseidon_aio.Trainer(
+        model, opt, nn.functional.cross_entropy, mode=args.mode, compression=compression
+    ) as trainer:
         for epoch in range(args.epochs):
             losses = []
             for idx in global_batches(len(train[1]), args.batch, epoch, args.seed):
@@ -128,7 +138,10 @@ async def distributed(args, train, test):
                     bar.update(1)
                     bar.set_postfix(epoch=epoch + 1, loss=f"{np.mean(losses):.3f}")
                 elif every and (stats.clock + 1) % every == 0:
-                    print(f"step {stats.clock + 1}/{steps * args.epochs} epoch {epoch + 1} loss {np.mean(losses):.3f}", flush=True)
+                    print(
+                        f"step {stats.clock + 1}/{steps * args.epochs} epoch {epoch + 1} loss {np.mean(losses):.3f}",
+                        flush=True,
+                    )
             sched.step()
     if bar is not None:
         bar.close()
@@ -141,8 +154,17 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64, help="global batch (split over the workers)")
     parser.add_argument("--mode", default="poseidon", choices=["naive", "wfbp", "poseidon"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compression", default="none", choices=["none", "auto", "fp16", "powersgd", "topk"], help="lossy gradient compression (mode poseidon)")
-    parser.add_argument("--plan-bandwidth", type=parse_rate, help="plan as if each link were this, e.g. 100mbit (default: the link measured at start)")
+    parser.add_argument(
+        "--compression",
+        default="none",
+        choices=["none", "auto", "fp16", "powersgd", "topk"],
+        help="lossy gradient compression (mode poseidon)",
+    )
+    parser.add_argument(
+        "--plan-bandwidth",
+        type=parse_rate,
+        help="plan as if each link were this, e.g. 100mbit (default: the link measured at start)",
+    )
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -155,11 +177,16 @@ def main() -> int:
     ours = accuracy(model, test)
     world = int(os.environ["WORLD_SIZE"])
     print(f"layer schemes: {schemes}")
-    print(f"{world} workers: {elapsed:.1f} s, {stalled:.1f} s stalled on communication, rank 0 moved "
-          + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in moved.items()))
+    print(
+        f"{world} workers: {elapsed:.1f} s, {stalled:.1f} s stalled on communication, rank 0 moved "
+        + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in moved.items())
+    )
     single = single_process(args, train, test)
     how = args.mode if args.compression == "none" else f"{args.mode}, compression {args.compression}"
-    print(f"test accuracy: {world} workers ({how}) {ours:.2f}%   single process, same global batch and epochs {single:.2f}%")
+    print(
+        f"test accuracy: {world} workers ({how}) {ours:.2f}%   "
+        f"single process, same global batch and epochs {single:.2f}%"
+    )
     if args.compression != "none":
         lossy = {k: v for k, v in schemes.items() if v in ("fp16", "powersgd", "topk")}
         print(f"lossy layers: {lossy or 'none'}")
@@ -174,7 +201,10 @@ def main() -> int:
         print("OK: within 1 point" if ok else "MISMATCH: more than 1 point apart")
         return 0 if ok else 1
     ok = abs(diff) <= 2.0
-    print(f"{'OK' if ok else 'MISMATCH'}: {diff:+.2f} points from exact (this run; the guard of 0.5 points is on the mean over seeds: python -m bench accuracy)")
+    print(
+        f"{'OK' if ok else 'MISMATCH'}: {diff:+.2f} points from exact "
+        "(this run; the guard of 0.5 points is on the mean over seeds: python -m bench accuracy)"
+    )
     return 0 if ok else 1
 
 

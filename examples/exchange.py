@@ -123,7 +123,9 @@ def main() -> int:
     for p in procs:
         p.join(60)
         ok &= p.exitcode == 0
-    print("per-rank traffic (sent + received): " + ", ".join(f"rank {r} {v:.0f} MiB/s" for r, v in sorted(rates.items())))
+    print(
+        "per-rank traffic (sent + received): " + ", ".join(f"rank {r} {v:.0f} MiB/s" for r, v in sorted(rates.items()))
+    )
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -1,9 +1,9 @@
 """``poseidon-aio``: the command line.
 
-    poseidon-aio info [--require-extension]   versions, codec, event loop, network interfaces
-    poseidon-aio shard --index S              host one parameter-server shard (standalone layout)
-    poseidon-aio explain --fc 4096x4096 ...   per-layer cost model and scheme choice
-    poseidon-aio run -n 4 script.py [args]    N local workers of a script, through torchrun
+poseidon-aio info [--require-extension]   versions, codec, event loop, network interfaces
+poseidon-aio shard --index S              host one parameter-server shard (standalone layout)
+poseidon-aio explain --fc 4096x4096 ...   per-layer cost model and scheme choice
+poseidon-aio run -n 4 script.py [args]    N local workers of a script, through torchrun
 """
 
 from __future__ import annotations
@@ -87,7 +87,16 @@ def _shard(args: argparse.Namespace) -> int:
 def _explain(args: argparse.Namespace) -> int:
     import json
 
-    from .plan.cost import Link, LayerShape, Scheme, best_scheme, hybcomm_choice, layer_cost, layers_of_manifest, predicted_time
+    from .plan.cost import (
+        Link,
+        LayerShape,
+        Scheme,
+        best_scheme,
+        hybcomm_choice,
+        layer_cost,
+        layers_of_manifest,
+        predicted_time,
+    )
     from .units import parse_rate_bytes
 
     layers = []
@@ -109,58 +118,121 @@ def _explain(args: argparse.Namespace) -> int:
         args.bandwidth = "1gbit"  # compute seconds cannot be weighed against a bytes-only link
     try:
         candidates = tuple(Scheme(s) for s in args.schemes.split(","))
-        link = Link.of_bandwidth(parse_rate_bytes(args.bandwidth), args.alpha * 1e-6) if args.bandwidth else Link(args.alpha * 1e-6, 1.0)
+        link = (
+            Link.of_bandwidth(parse_rate_bytes(args.bandwidth), args.alpha * 1e-6)
+            if args.bandwidth
+            else Link(args.alpha * 1e-6, 1.0)
+        )
     except ValueError as exc:
         print(f"explain: {exc}", file=sys.stderr)
         return 2
     if args.compression:
         return _explain_compression(args, candidates, link)
     servers = args.servers or args.workers
-    keys = ("ps_worker", "ps_combined", "sfb", "adam", "allreduce", "chosen", "hybcomm_floats", "cluster_ps", "cluster_sfb", "cluster_adam")
+    keys = (
+        "ps_worker",
+        "ps_combined",
+        "sfb",
+        "adam",
+        "allreduce",
+        "chosen",
+        "hybcomm_floats",
+        "cluster_ps",
+        "cluster_sfb",
+        "cluster_adam",
+    )
     rows, totals = [], {k: 0.0 for k in keys}
     for layer in layers:
         cost = layer_cost(layer, args.workers, servers)
         choice = best_scheme(layer, args.workers, servers)
         hybrid = hybcomm_choice(layer, args.workers, servers, link=link, candidates=candidates)
-        floats = {Scheme.PS: cost.ps_combined, Scheme.SFB: cost.sfb, Scheme.ALLREDUCE: cost.allreduce, Scheme.ROWS: cost.rows}
+        floats = {
+            Scheme.PS: cost.ps_combined,
+            Scheme.SFB: cost.sfb,
+            Scheme.ALLREDUCE: cost.allreduce,
+            Scheme.ROWS: cost.rows,
+        }
         fc = layer.kind == "fc"
         row = {
-            "name": layer.name, "kind": layer.kind.value, "shape": [layer.m, layer.n] if fc else [layer.params],
-            "K": layer.rows if fc else None, "ps_worker": cost.ps_worker, "ps_combined": cost.ps_combined,
-            "sfb": cost.sfb if fc else None, "adam": cost.adam if fc else None, "allreduce": cost.allreduce,
-            "choice": choice.value, "chosen": floats[choice], "hybcomm": hybrid.value, "hybcomm_floats": floats[hybrid],
+            "name": layer.name,
+            "kind": layer.kind.value,
+            "shape": [layer.m, layer.n] if fc else [layer.params],
+            "K": layer.rows if fc else None,
+            "ps_worker": cost.ps_worker,
+            "ps_combined": cost.ps_combined,
+            "sfb": cost.sfb if fc else None,
+            "adam": cost.adam if fc else None,
+            "allreduce": cost.allreduce,
+            "choice": choice.value,
+            "chosen": floats[choice],
+            "hybcomm": hybrid.value,
+            "hybcomm_floats": floats[hybrid],
             "predicted_s": {c.value: predicted_time(layer, c, args.workers, servers, link) for c in candidates},
             "cluster_ps": cost.cluster_ps,
-            "cluster_sfb": cost.cluster_sfb if fc else None, "cluster_adam": cost.cluster_adam if fc else None,
+            "cluster_sfb": cost.cluster_sfb if fc else None,
+            "cluster_adam": cost.cluster_adam if fc else None,
         }
         rows.append(row)
         for key in totals:
-            value = row[key] if row.get(key) is not None else row["cluster_ps" if key.startswith("cluster") else "ps_combined"]
+            value = (
+                row[key]
+                if row.get(key) is not None
+                else row["cluster_ps" if key.startswith("cluster") else "ps_combined"]
+            )
             totals[key] += value
     if args.json:
-        out = {"workers": args.workers, "servers": servers, "batch": args.batch, "alpha_s": link.alpha, "beta_s_per_byte": link.beta,
-               "schemes": [c.value for c in candidates], "layers": rows, "totals": totals}
+        out = {
+            "workers": args.workers,
+            "servers": servers,
+            "batch": args.batch,
+            "alpha_s": link.alpha,
+            "beta_s_per_byte": link.beta,
+            "schemes": [c.value for c in candidates],
+            "layers": rows,
+            "totals": totals,
+        }
         print(json.dumps(out))
         return 0
-    mf = lambda x: "-" if x is None else f"{x / 1e6:.2f}"  # noqa: E731
-    print(f"floats per worker node, in and out, millions (P1={args.workers} workers, P2={servers} shards, K={args.batch} rows)")
-    print(f"{'layer':<24} {'kind':<5} {'shape':<14} {'K':>5} {'PS worker':>10} {'PS w+s':>10} {'SFB':>10} {'Adam':>10} {'all-red.':>10}  paper  hybcomm")
+
+    def mf(x):
+        return "-" if x is None else f"{x / 1e6:.2f}"
+
+    print(
+        "floats per worker node, in and out, millions "
+        f"(P1={args.workers} workers, P2={servers} shards, K={args.batch} rows)"
+    )
+    print(
+        f"{'layer':<24} {'kind':<5} {'shape':<14} {'K':>5} {'PS worker':>10} {'PS w+s':>10} "
+        f"{'SFB':>10} {'Adam':>10} {'all-red.':>10}  paper  hybcomm"
+    )
     for r in rows:
         shape = "x".join(map(str, r["shape"]))
         print(
-            f"{r['name'][:24]:<24} {r['kind']:<5} {shape:<14} {r['K'] or '-':>5} {mf(r['ps_worker']):>10} {mf(r['ps_combined']):>10} "
+            f"{r['name'][:24]:<24} {r['kind']:<5} {shape:<14} {r['K'] or '-':>5} "
+            f"{mf(r['ps_worker']):>10} {mf(r['ps_combined']):>10} "
             f"{mf(r['sfb']):>10} {mf(r['adam']):>10} {mf(r['allreduce']):>10}  {r['choice']:<6} {r['hybcomm']}"
         )
     print(
-        f"{'total':<24} {'':<5} {'':<14} {'':>5} {mf(totals['ps_worker']):>10} {mf(totals['ps_combined']):>10} {mf(totals['sfb']):>10} "
-        f"{mf(totals['adam']):>10} {mf(totals['allreduce']):>10}  paper's hybrid {mf(totals['chosen'])}, hybcomm {mf(totals['hybcomm_floats'])}"
+        f"{'total':<24} {'':<5} {'':<14} {'':>5} "
+        f"{mf(totals['ps_worker']):>10} {mf(totals['ps_combined']):>10} {mf(totals['sfb']):>10} "
+        f"{mf(totals['adam']):>10} {mf(totals['allreduce']):>10}  "
+        f"paper's hybrid {mf(totals['chosen'])}, hybcomm {mf(totals['hybcomm_floats'])}"
     )
     print(
-        f"cluster totals per iteration (2015 paper's accounting), millions: full-matrix PS {mf(totals['cluster_ps'])}, "
-        f"SFB {mf(totals['cluster_sfb'])}, Adam {mf(totals['cluster_adam'])} (non-FC layers counted as PS in the last two)"
+        "cluster totals per iteration (2015 paper's accounting), millions: "
+        f"full-matrix PS {mf(totals['cluster_ps'])}, "
+        f"SFB {mf(totals['cluster_sfb'])}, Adam {mf(totals['cluster_adam'])} "
+        "(non-FC layers counted as PS in the last two)"
     )
-    what = f"{args.bandwidth} links, alpha {args.alpha:g} us" if args.bandwidth else "bytes only (give --bandwidth and --alpha for times)"
-    print(f"hybcomm: the least predicted time among {', '.join(c.value for c in candidates)} on {what}; ties go to the paper's choice")
+    what = (
+        f"{args.bandwidth} links, alpha {args.alpha:g} us"
+        if args.bandwidth
+        else "bytes only (give --bandwidth and --alpha for times)"
+    )
+    print(
+        f"hybcomm: the least predicted time among {', '.join(c.value for c in candidates)} on {what}; "
+        "ties go to the paper's choice"
+    )
     return 0
 
 
@@ -205,14 +277,34 @@ def _explain_compression(args: argparse.Namespace, candidates: tuple, link) -> i
     costs = measure_compute(config)
     report: dict = {}
     rows = {layer.name: layer.shape.rows for layer in layers}
-    choose_schemes(layers, rows, mode=Mode.POSEIDON, workers=args.workers, shards=servers, link=link, candidates=candidates,
-                   compression=LossyPlanner(config, costs), report=report)
+    choose_schemes(
+        layers,
+        rows,
+        mode=Mode.POSEIDON,
+        workers=args.workers,
+        shards=servers,
+        link=link,
+        candidates=candidates,
+        compression=LossyPlanner(config, costs),
+        report=report,
+    )
     if args.json:
         out = {
-            "workers": args.workers, "servers": servers, "alpha_s": link.alpha, "beta_s_per_byte": link.beta,
-            "compression": json.loads(config.settings()), "compute": json.loads(costs.to_json()),
+            "workers": args.workers,
+            "servers": servers,
+            "alpha_s": link.alpha,
+            "beta_s_per_byte": link.beta,
+            "compression": json.loads(config.settings()),
+            "compute": json.loads(costs.to_json()),
             "layers": [
-                {"name": name, "params": [list(p) for p in layer.params], "predicted_s": w.times, "exact": w.exact.value, "choice": w.choice.value, "why": w.why}
+                {
+                    "name": name,
+                    "params": [list(p) for p in layer.params],
+                    "predicted_s": w.times,
+                    "exact": w.exact.value,
+                    "choice": w.choice.value,
+                    "why": w.why,
+                }
                 for layer, (name, w) in zip(layers, report.items())
             ],
         }
@@ -220,14 +312,21 @@ def _explain_compression(args: argparse.Namespace, candidates: tuple, link) -> i
         return 0
     seen = {s for w in report.values() for s in w.times}
     names = [s for s in [*(c.value for c in candidates), *(s.value for s in config.schemes)] if s in seen]
-    print(f"predicted ms per layer sync (P1={args.workers} workers, P2={servers} shards, {args.bandwidth} links, alpha {args.alpha:g} us; "
-          f"compression {config.method.value}: PowerSGD rank {config.rank}, top-k {config.ratio:g}, exact under {config.min_elements} elements)")
+    print(
+        f"predicted ms per layer sync (P1={args.workers} workers, P2={servers} shards, "
+        f"{args.bandwidth} links, alpha {args.alpha:g} us; "
+        f"compression {config.method.value}: PowerSGD rank {config.rank}, top-k {config.ratio:g}, "
+        f"exact under {config.min_elements} elements)"
+    )
     print(f"{'layer':<24} {'elements':>10} " + " ".join(f"{n:>9}" for n in names) + "  choice     why")
     for layer, (name, w) in zip(layers, report.items()):
         cells = " ".join(f"{w.times[n] * 1e3:>9.3f}" if n in w.times else f"{'-':>9}" for n in names)
         print(f"{name[:24]:<24} {layer.shape.params:>10} {cells}  {w.choice.value:<10} {w.why}")
     lossy = [name for name, w in report.items() if w.choice.value not in {c.value for c in candidates}]
-    print(f"lossy: {len(lossy)} of {len(report)} layers; compute measured here, seconds = a + b x elements: {costs.to_json()}")
+    print(
+        f"lossy: {len(lossy)} of {len(report)} layers; "
+        f"compute measured here, seconds = a + b x elements: {costs.to_json()}"
+    )
     return 0
 
 
@@ -265,10 +364,16 @@ def _run(args: argparse.Namespace) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = args.master_port or s.getsockname()[1]
-    torch_args = get_args_parser().parse_args([
-        f"--nproc-per-node={args.nproc}", "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}",
-        args.script, *args.script_args,
-    ])
+    torch_args = get_args_parser().parse_args(
+        [
+            f"--nproc-per-node={args.nproc}",
+            "--nnodes=1",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            args.script,
+            *args.script_args,
+        ]
+    )
     if not args.debug:
         # torchrun's agent logs each SIGTERM it sends and a report per failure; the ranks have
         # already said what went wrong, in one line each.
@@ -306,25 +411,44 @@ def main(argv=None) -> int:
     shard.set_defaults(func=_shard)
     explain = sub.add_parser("explain", help="the cost model and BestScheme, per layer")
     explain.add_argument("--model", choices=["vgg19", "alexnet", "resnet50"], help="a model preset")
-    explain.add_argument("--fc", action="append", metavar="MxN", help="a fully-connected layer (outputs x inputs); repeatable")
+    explain.add_argument(
+        "--fc", action="append", metavar="MxN", help="a fully-connected layer (outputs x inputs); repeatable"
+    )
     explain.add_argument("--workers", type=int, default=8)
     explain.add_argument("--servers", type=int, help="parameter-server shards (default: one per worker)")
     explain.add_argument("--batch", type=int, default=32, help="K, rows per worker")
-    explain.add_argument("--bandwidth", help="each worker's link, e.g. 1gbit, 100mbit or bytes/s (default: compare bytes)")
+    explain.add_argument(
+        "--bandwidth", help="each worker's link, e.g. 1gbit, 100mbit or bytes/s (default: compare bytes)"
+    )
     explain.add_argument("--alpha", type=float, default=0.0, help="start-up per round of messages, microseconds")
     explain.add_argument("--schemes", default="ps,sfb,allreduce", help="what HybComm weighs (the paper's: ps,sfb)")
-    explain.add_argument("--compression", choices=["auto", "fp16", "powersgd", "topk"],
-                         help="weigh lossy schemes too: per layer every candidate's predicted time and the choice (link: --bandwidth, default 1gbit)")
+    explain.add_argument(
+        "--compression",
+        choices=["auto", "fp16", "powersgd", "topk"],
+        help=(
+            "weigh lossy schemes too: per layer every candidate's predicted time and the choice "
+            "(link: --bandwidth, default 1gbit)"
+        ),
+    )
     explain.add_argument("--rank", type=int, default=4, help="PowerSGD's rank (with --compression)")
     explain.add_argument("--ratio", type=float, default=0.01, help="top-k's density (with --compression)")
-    explain.add_argument("--min-elements", type=int, default=16384, help="matrix elements under which a layer stays exact (with --compression)")
+    explain.add_argument(
+        "--min-elements",
+        type=int,
+        default=16384,
+        help="matrix elements under which a layer stays exact (with --compression)",
+    )
     explain.add_argument("--json", action="store_true")
     explain.set_defaults(func=_explain)
     runner = sub.add_parser("run", help="start N local workers of a script (a thin wrapper over torchrun)")
     runner.add_argument("-n", "--nproc", type=int, required=True)
     runner.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
-    runner.add_argument("--token-file", help="file holding the cluster token (default: $POSEIDON_TOKEN, else a fresh one)")
-    runner.add_argument("--tls", action="store_true", help="TLS on every connection, with a self-signed certificate made for this run")
+    runner.add_argument(
+        "--token-file", help="file holding the cluster token (default: $POSEIDON_TOKEN, else a fresh one)"
+    )
+    runner.add_argument(
+        "--tls", action="store_true", help="TLS on every connection, with a self-signed certificate made for this run"
+    )
     runner.add_argument("--trace", metavar="PATH", help="write one Chrome/Perfetto trace of every rank there")
     runner.add_argument("--debug", action="store_true", help="full tracebacks and torchrun's own reports on failure")
     runner.add_argument("script")

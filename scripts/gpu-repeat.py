@@ -9,6 +9,7 @@ and a summary; ``CUDA_LAUNCH_BLOCKING=1`` in front runs every kernel synchronous
 goes away then is an ordering between streams). ``DEV=cpu`` runs the same on CPU tensors staged as
 on a GPU (to try the script without one).
 """
+
 import os
 import sys
 import time
@@ -39,7 +40,10 @@ def main() -> None:
                 wrong = run_failures(res, label, spec, refs[spec["kind"]], workers)  # tests/test_gpu.py's checks
                 total += 1
                 fails += bool(wrong)
-                print(f"{tag} round {rnd} {spec['kind']} {label}: " + ("FAIL: " + "; ".join(wrong) if wrong else "ok"), flush=True)
+                print(
+                    f"{tag} round {rnd} {spec['kind']} {label}: " + ("FAIL: " + "; ".join(wrong) if wrong else "ok"),
+                    flush=True,
+                )
             print(f"{tag} round {rnd} {spec['kind']}: {time.time() - t:.1f} s", flush=True)
         rnd += 1
     print(f"{tag}: {fails} of {total} runs failed", flush=True)

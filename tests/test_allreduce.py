@@ -23,7 +23,9 @@ async def mesh(world: int, seed: int) -> list:
     peers = [{} for _ in range(world)]
     for i in range(world):
         for j in range(i + 1, world):
-            a, b = await connected_pair(net_config(), net_config(), seed=seed * 100 + i * 10 + j, client_rank=i, server_rank=j)
+            a, b = await connected_pair(
+                net_config(), net_config(), seed=seed * 100 + i * 10 + j, client_rank=i, server_rank=j
+            )
             peers[i][j], peers[j][i] = a, b
     return peers
 
@@ -33,7 +35,13 @@ async def reduce_all(world, sizes, chunk_bytes, algorithm, seed, clocks=2, timeo
     syncers = [AllReduceSyncer(r, world, peers[r], timeout, chunk_bytes, algorithm) for r in range(world)]
     results, sent = [], []
     for clock in range(clocks):  # a second clock reuses the receive buffers the first gave back
-        grads = [[np.random.default_rng([seed, clock, r, i]).standard_normal(n).astype(np.float32) for i, n in enumerate(sizes)] for r in range(world)]
+        grads = [
+            [
+                np.random.default_rng([seed, clock, r, i]).standard_normal(n).astype(np.float32)
+                for i, n in enumerate(sizes)
+            ]
+            for r in range(world)
+        ]
         outs = [[np.full(n, np.nan, dtype=np.float32) for n in sizes] for _ in range(world)]
         buckets = [Bucket("b", [3, 4], list(range(len(sizes))), outs[r], grads=grads[r]) for r in range(world)]
         done = await asyncio.gather(*(syncers[r].start(buckets[r], clock) for r in range(world)))

@@ -14,9 +14,7 @@ from poseidon_aio.plan.models import PRESETS, resnet50, vgg19
 from poseidon_aio.errors import ConfigError
 from poseidon_aio.ps import checkpoint
 
-shapes = st.lists(
-    st.lists(st.integers(1, 60), min_size=1, max_size=3).map(tuple), min_size=1, max_size=12
-)
+shapes = st.lists(st.lists(st.integers(1, 60), min_size=1, max_size=3).map(tuple), min_size=1, max_size=12)
 
 
 def manifest(shape_list, dtype="float32") -> Manifest:
@@ -24,7 +22,12 @@ def manifest(shape_list, dtype="float32") -> Manifest:
 
 
 @settings(max_examples=80, deadline=None)
-@given(shape_list=shapes, workers=st.integers(1, 8), shards=st.integers(1, 8), chunk=st.sampled_from([256, 1000, 4096, 1 << 20]))
+@given(
+    shape_list=shapes,
+    workers=st.integers(1, 8),
+    shards=st.integers(1, 8),
+    chunk=st.sampled_from([256, 1000, 4096, 1 << 20]),
+)
 def test_every_element_in_exactly_one_pair_no_pair_over_the_chunk(shape_list, workers, shards, chunk):
     m = manifest(shape_list)
     book = InformationBook(m, workers=workers, shards=shards, chunk_bytes=chunk)

@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def cli(*args, timeout=60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "poseidon_aio.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "poseidon_aio.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def test_explain_reproduces_the_atc17_worked_case():
@@ -42,13 +44,31 @@ def test_explain_a_preset_keeps_convolutions_on_the_ps():
 
 
 def test_explain_weighs_all_reduce_with_the_link_and_keeps_the_paper_s_choice():
-    out = json.loads(cli("explain", "--model", "vgg19", "--workers", "8", "--batch", "32", "--bandwidth", "1gbit", "--alpha", "100", "--json").stdout)
+    out = json.loads(
+        cli(
+            "explain",
+            "--model",
+            "vgg19",
+            "--workers",
+            "8",
+            "--batch",
+            "32",
+            "--bandwidth",
+            "1gbit",
+            "--alpha",
+            "100",
+            "--json",
+        ).stdout
+    )
     rows = {row["name"]: row for row in out["layers"]}
     # 4 M floats in and out for a 1 M-float layer on 8 workers: 2 M each way, a ring's bytes.
     assert all(abs(r["allreduce"] - 4 * r["ps_worker"] / 2 * 7 / 8) < 1 for r in rows.values())
     assert {r["hybcomm"] for r in rows.values() if r["kind"] == "conv"} <= {"allreduce", "ps"}
     assert "allreduce" in {r["hybcomm"] for r in rows.values()}
-    assert all(r["hybcomm"] == min(r["predicted_s"], key=r["predicted_s"].get) or r["hybcomm"] == r["choice"] for r in rows.values())
+    assert all(
+        r["hybcomm"] == min(r["predicted_s"], key=r["predicted_s"].get) or r["hybcomm"] == r["choice"]
+        for r in rows.values()
+    )
     paper = json.loads(cli("explain", "--model", "vgg19", "--workers", "8", "--schemes", "ps,sfb", "--json").stdout)
     assert all(r["hybcomm"] == r["choice"] for r in paper["layers"])  # the paper's HybComm, reachable
 
@@ -59,8 +79,25 @@ def test_the_main_job_runs_through_poseidon_aio_run_over_tls_with_one_trace(tmp_
     env.pop("POSEIDON_TOKEN", None)  # `run` draws the job's token itself
     trace = tmp_path / "digits.json"
     done = subprocess.run(
-        [sys.executable, "-m", "poseidon_aio.cli", "run", "--tls", "--trace", str(trace), "-n", "2", "examples/digits.py", "--epochs", "2"],
-        capture_output=True, text=True, timeout=240, cwd=ROOT, env=env,
+        [
+            sys.executable,
+            "-m",
+            "poseidon_aio.cli",
+            "run",
+            "--tls",
+            "--trace",
+            str(trace),
+            "-n",
+            "2",
+            "examples/digits.py",
+            "--epochs",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env=env,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "test accuracy: 2 workers (poseidon)" in done.stdout and "OK: within 1 point" in done.stdout
@@ -77,11 +114,17 @@ def test_a_failing_job_says_why_in_one_line_per_rank():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-m", "poseidon_aio.cli", "run", "-n", "2", "tests/data/mismatched_ranks.py"],
-        capture_output=True, text=True, timeout=240, cwd=ROOT, env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env=env,
     )
     assert done.returncode == 1
     lines = [line for line in done.stderr.splitlines() if line.startswith("poseidon_aio rank")]
-    assert lines and all("ManifestMismatch" in line and "rank 1's model differs" in line for line in lines), done.stderr[-3000:]
+    assert lines and all("ManifestMismatch" in line and "rank 1's model differs" in line for line in lines), (
+        done.stderr[-3000:]
+    )
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "poseidon-aio run: rank(s)" in done.stderr
 

@@ -53,7 +53,12 @@ def _decode_all(codec, data, chunks=None, **kwargs):
 def _check(frame, spec):
     h = frame.header
     assert (h.kind, h.rank, h.key, h.clock, h.dtype, h.flags) == (
-        spec["kind"], spec["rank"], spec["key"], spec["clock"], spec["dtype"], spec["flags"]
+        spec["kind"],
+        spec["rank"],
+        spec["key"],
+        spec["clock"],
+        spec["dtype"],
+        spec["flags"],
     )
     assert h.length == len(spec["payload"])
     assert bytes(frame.payload) == spec["payload"]
@@ -325,7 +330,9 @@ def test_fuzz_frames_or_frame_error_nothing_else(raw, specs, seed, chunk, initia
 # -- arrays back to back, received as one ---------------------------------------------------------
 
 
-@given(cuts=st.lists(st.integers(0, 64), min_size=1, max_size=6), dtype=st.sampled_from([np.float32, np.float64, np.int16]))
+@given(
+    cuts=st.lists(st.integers(0, 64), min_size=1, max_size=6), dtype=st.sampled_from([np.float32, np.float64, np.int16])
+)
 def test_spanning_views_write_every_array_they_span(cuts, dtype):
     bounds = [0, *sorted(cuts), 80]
     buf = np.zeros(80, dtype=dtype)

@@ -162,9 +162,7 @@ async def test_a_process_shaper_caps_all_its_connections_together():
     shared = Shaper(egress=TokenBucket(rate, burst))
     pairs = [await connected_pair(net_config(), net_config(), process_shaper=shared) for _ in range(2)]
     started = time.monotonic()
-    await asyncio.gather(
-        *(client.send(Kind.DATA, bytes(50_000), clock=c) for client, _ in pairs for c in range(2))
-    )
+    await asyncio.gather(*(client.send(Kind.DATA, bytes(50_000), clock=c) for client, _ in pairs for c in range(2)))
     assert time.monotonic() - started >= (200_000 - burst - 50_000) / rate * 0.95
     for client, _ in pairs:
         await client.close()
@@ -176,7 +174,9 @@ async def test_local_link_lands_payloads_and_propagates_close():
     a, b = LocalLink.pair(0, 0)
     into = np.zeros(6, dtype=np.float32)
     fut = b.expect(Kind.AGGREGATE, 2, 5, into=into)
-    await a.send(Kind.AGGREGATE, [np.ones(2, np.float32), np.full(4, 2, np.float32)], key=2, clock=5, dtype=DType.FLOAT32)
+    await a.send(
+        Kind.AGGREGATE, [np.ones(2, np.float32), np.full(4, 2, np.float32)], key=2, clock=5, dtype=DType.FLOAT32
+    )
     frame = await fut
     assert into.tolist() == [1, 1, 2, 2, 2, 2] and frame.payload.obj is not None
     await a.send(Kind.DATA, b"early", key=1, clock=1)  # nobody expects it yet: the inbox keeps it
@@ -357,7 +357,9 @@ async def test_offload_keeps_cheap_work_on_the_loop_once_measured_and_sends_cost
         assert await offload.run("cheap", _spin, 0.0) != here
         assert [await offload.run("cheap", _spin, 0.0) for _ in range(3)] == [here] * 3
         # Work over the budget never leaves the executor.
-        assert {await offload.run("costly", _spin, 0.05) for _ in range(3)} == {pool.submit(threading.get_ident).result()}
+        assert {await offload.run("costly", _spin, 0.05) for _ in range(3)} == {
+            pool.submit(threading.get_ident).result()
+        }
         # Work that grows past the budget goes back at its next run, and a failure is the caller's.
         assert await offload.run("cheap", _spin, 0.05) == here
         assert await offload.run("cheap", _spin, 0.0) != here

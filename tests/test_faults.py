@@ -51,7 +51,11 @@ from .support.psworkers import manifest_of
 
 UP, DOWN = Direction.UP, Direction.DOWN
 DELAY, DROP, TRUNCATE, DUPLICATE, RESET = (
-    FaultKind.DELAY, FaultKind.DROP, FaultKind.TRUNCATE, FaultKind.DUPLICATE, FaultKind.RESET,
+    FaultKind.DELAY,
+    FaultKind.DROP,
+    FaultKind.TRUNCATE,
+    FaultKind.DUPLICATE,
+    FaultKind.RESET,
 )
 PUSH, PARAMS = Kind.PUSH, Kind.PARAMS
 
@@ -97,16 +101,25 @@ def _feed(fault_list, data: bytes, cuts=()) -> tuple:
     "fault,expected",
     [
         (Fault(DELAY, UP, frame=1, frame_kind=PUSH, seconds=0.3), [Forward(H + P0 + HB), Hold(0.3), Forward(P1 + P2)]),
-        (Fault(DELAY, UP, frame=3, skew=5, seconds=0.2), [Forward(WHOLE[: AT_P1 + 5]), Hold(0.2), Forward(WHOLE[AT_P1 + 5 :])]),
+        (
+            Fault(DELAY, UP, frame=3, skew=5, seconds=0.2),
+            [Forward(WHOLE[: AT_P1 + 5]), Hold(0.2), Forward(WHOLE[AT_P1 + 5 :])],
+        ),
         (Fault(DROP, UP, frame=1, frame_kind=PUSH, frames=1), [Forward(H + P0 + HB + P2)]),
         (Fault(DROP, UP, frame=0, frame_kind=PUSH, frames=2), [Forward(H + HB + P2)]),  # the heartbeat between passes
-        (Fault(DROP, UP, frame=1, frame_kind=PUSH, skew=10, nbytes=5), [Forward(WHOLE[: AT_P1 + 10] + WHOLE[AT_P1 + 15 :])]),
+        (
+            Fault(DROP, UP, frame=1, frame_kind=PUSH, skew=10, nbytes=5),
+            [Forward(WHOLE[: AT_P1 + 10] + WHOLE[AT_P1 + 15 :])],
+        ),
         (Fault(DROP, UP, frame=1, frame_kind=PUSH), [Forward(H + P0 + HB)]),  # black hole
         (Fault(TRUNCATE, UP, frame=1, frame_kind=PUSH, skew=10), [Forward(WHOLE[: AT_P1 + 10]), Cut(reset=False)]),
         (Fault(RESET, UP, frame=2, frame_kind=PUSH), [Forward(H + P0 + HB + P1), Cut(reset=True)]),
         (Fault(DUPLICATE, UP, frame=0, frame_kind=PUSH, frames=2), [Forward(H + P0 + HB + P1 + P0 + P1 + P2)]),
         (Fault(DUPLICATE, UP, frame=2, frames=1), [Forward(H + P0 + HB + HB + P1 + P2)]),
-        (Fault(DUPLICATE, UP, frame=0, frame_kind=PUSH, skew=38, nbytes=4), [Forward(WHOLE[:84] + WHOLE[80:84] + WHOLE[84:])]),
+        (
+            Fault(DUPLICATE, UP, frame=0, frame_kind=PUSH, skew=38, nbytes=4),
+            [Forward(WHOLE[:84] + WHOLE[80:84] + WHOLE[84:])],
+        ),
     ],
     ids=str,
 )
@@ -120,7 +133,11 @@ def test_each_fault_kind_does_what_it_says_on_a_known_stream(fault, expected):
     assert (counters.corrupted is not None) == fault.mangles  # every byte span here lies in a PUSH
 
 
-frame_specs = st.lists(st.tuples(st.sampled_from([PUSH, PARAMS, Kind.HEARTBEAT, Kind.CONTROL]), st.integers(0, 300)), min_size=1, max_size=12)
+frame_specs = st.lists(
+    st.tuples(st.sampled_from([PUSH, PARAMS, Kind.HEARTBEAT, Kind.CONTROL]), st.integers(0, 300)),
+    min_size=1,
+    max_size=12,
+)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -129,7 +146,11 @@ def test_a_stream_acts_the_same_however_its_bytes_arrive_and_garbles_only_byte_s
     frames = [encode_frame(k, bytes([i % 251]) * n, rank=1, key=i, clock=i) for i, (k, n) in enumerate(specs)]
     data = b"".join(frames)
     count = {k: sum(1 for kk, _ in specs if kk is k) for k in (PUSH, PARAMS)}
-    targets = {d: (k, count[k], min(HEADER_SIZE + n for kk, n in specs if kk is k)) for d, k in ((UP, PUSH), (DOWN, PARAMS)) if count[k]}
+    targets = {
+        d: (k, count[k], min(HEADER_SIZE + n for kk, n in specs if kk is k))
+        for d, k in ((UP, PUSH), (DOWN, PARAMS))
+        if count[k]
+    }
     if not targets:
         return
     plan = FaultPlan.random(seed, targets)
@@ -340,7 +361,9 @@ def check(case: Case, outcomes: dict, reference: dict, bound: float) -> str:
     for rank, o in outcomes.items():
         for clock, digest in o.completed.items():
             if garbled is None or clock < garbled:
-                assert digest == reference[clock], f"case {case.name}: rank {rank}'s parameters after clock {clock} differ from an uninterrupted run"
+                assert digest == reference[clock], (
+                    f"case {case.name}: rank {rank}'s parameters after clock {clock} differ from an uninterrupted run"
+                )
     ends = ", ".join(f"{r}: {o.error or 'ok'} {o.elapsed:.1f}s" for r, o in sorted(outcomes.items()))
     ends += "".join(f"\n    {r}: {o.message}" for r, o in sorted(outcomes.items()) if o.error)
     return f"{case.name} [{'; '.join(map(str, plans)) or 'no proxy'}] -> {ends}"
@@ -373,47 +396,92 @@ CASCADE = r"left the job|closed the connection \(GOODBYE\)"
 KIND_CASES = [
     (Case("no-fault", _plan()), "ok", FAST, None),
     (
-        Case("delay", _plan(
-            Fault(DELAY, UP, frame=0, seconds=0.5),  # before HELLO
-            Fault(DELAY, DOWN, frame=0, frame_kind=PARAMS, seconds=0.5),  # the start-up pull's answer
-            Fault(DELAY, UP, frame=3, frame_kind=PUSH, skew=300, seconds=0.5),  # inside a payload
-            Fault(DELAY, DOWN, frame=7, frame_kind=PARAMS, skew=HEADER_SIZE, seconds=0.5),  # between header and payload
-        )),
-        "ok", FAST, None,
+        Case(
+            "delay",
+            _plan(
+                Fault(DELAY, UP, frame=0, seconds=0.5),  # before HELLO
+                Fault(DELAY, DOWN, frame=0, frame_kind=PARAMS, seconds=0.5),  # the start-up pull's answer
+                Fault(DELAY, UP, frame=3, frame_kind=PUSH, skew=300, seconds=0.5),  # inside a payload
+                Fault(
+                    DELAY, DOWN, frame=7, frame_kind=PARAMS, skew=HEADER_SIZE, seconds=0.5
+                ),  # between header and payload
+            ),
+        ),
+        "ok",
+        FAST,
+        None,
     ),
     # Shard 0 never gets message 1 of clock 1 from rank 1; heartbeats still flow: SyncTimeout.
     (Case("drop-frame", _plan(Fault(DROP, UP, frame=3, frame_kind=PUSH, frames=1))), "fail", SLOW, None),
     # 7 bytes missing: the payload takes the next header's first 7, the rest is no header.
-    (Case("drop-bytes", _plan(Fault(DROP, UP, frame=2, frame_kind=PUSH, skew=200, nbytes=7))), "fail", SLOW, GARBLED_HEADER),
+    (
+        Case("drop-bytes", _plan(Fault(DROP, UP, frame=2, frame_kind=PUSH, skew=200, nbytes=7))),
+        "fail",
+        SLOW,
+        GARBLED_HEADER,
+    ),
     # Shard 0 hears nothing more from rank 1 and ends the link at its idle timeout.
     (Case("black-hole-up", _plan(Fault(DROP, UP, frame=3, frame_kind=PUSH))), "fail", SLOW, None),
     # A partition: nothing gets through either way, not even the end of the connection.
     (
-        Case("black-hole-both", _plan(Fault(DROP, UP, frame=3, frame_kind=PUSH), Fault(DROP, DOWN, frame=4, frame_kind=PARAMS))),
-        "fail", SLOW, "idle timeout",
+        Case(
+            "black-hole-both",
+            _plan(Fault(DROP, UP, frame=3, frame_kind=PUSH), Fault(DROP, DOWN, frame=4, frame_kind=PARAMS)),
+        ),
+        "fail",
+        SLOW,
+        "idle timeout",
     ),
     (Case("truncate-push", _plan(Fault(TRUNCATE, UP, frame=4, frame_kind=PUSH))), "fail", SLOW, "without GOODBYE"),
     (
         Case("truncate-params", _plan(Fault(TRUNCATE, DOWN, frame=5, frame_kind=PARAMS, skew=500))),
-        "fail", SLOW, r"460 of \d+ payload bytes of PARAMS key \d+ clock 2 had arrived",
+        "fail",
+        SLOW,
+        r"460 of \d+ payload bytes of PARAMS key \d+ clock 2 had arrived",
     ),
     # Which way this goes depends on whether the others pushed clock 1 before the repeat came.
     (Case("duplicate-frames-up", _plan(Fault(DUPLICATE, UP, frame=2, frame_kind=PUSH, frames=2))), "any", SLOW, None),
     # Ranks 0 and 2 wait 1 s into clock 1, so the repeat reaches shard 0 before the clock can
     # finalize: the shard refuses it as a protocol violation.
     (
-        Case("duplicate-early", _plan(Fault(DUPLICATE, UP, frame=2, frame_kind=PUSH, frames=1)), pauses={(0, 1): 1.0, (2, 1): 1.0}),
-        "fail", SLOW, "sent PUSH for message 0 twice at clock 1",
+        Case(
+            "duplicate-early",
+            _plan(Fault(DUPLICATE, UP, frame=2, frame_kind=PUSH, frames=1)),
+            pauses={(0, 1): 1.0, (2, 1): 1.0},
+        ),
+        "fail",
+        SLOW,
+        "sent PUSH for message 0 twice at clock 1",
     ),
     # Rank 1 pushes clock 1 a second after the others, so its push completes the clock and the
     # repeat comes in the same read: it must be discarded as late, not opened as a new clock.
-    (Case("duplicate-late", _plan(Fault(DUPLICATE, UP, frame=2, frame_kind=PUSH, frames=2)), pauses={(1, 1): 1.0}), "ok", FAST, None),
+    (
+        Case("duplicate-late", _plan(Fault(DUPLICATE, UP, frame=2, frame_kind=PUSH, frames=2)), pauses={(1, 1): 1.0}),
+        "ok",
+        FAST,
+        None,
+    ),
     # Repeated replies nobody expects wait in the inbox: harmless.
-    (Case("duplicate-frames-down", _plan(Fault(DUPLICATE, DOWN, frame=2, frame_kind=PARAMS, frames=4))), "ok", FAST, None),
-    (Case("duplicate-bytes", _plan(Fault(DUPLICATE, UP, frame=4, frame_kind=PUSH, skew=500, nbytes=16))), "fail", SLOW, GARBLED_HEADER),
+    (
+        Case("duplicate-frames-down", _plan(Fault(DUPLICATE, DOWN, frame=2, frame_kind=PARAMS, frames=4))),
+        "ok",
+        FAST,
+        None,
+    ),
+    (
+        Case("duplicate-bytes", _plan(Fault(DUPLICATE, UP, frame=4, frame_kind=PUSH, skew=500, nbytes=16))),
+        "fail",
+        SLOW,
+        GARBLED_HEADER,
+    ),
     (Case("reset-push", _plan(Fault(RESET, UP, frame=3, frame_kind=PUSH))), "fail", SLOW, RESET_SEEN),
     # The last clock's reply: ranks 0 and 2 finish every clock, then wait for rank 1 in close().
-    (Case("reset-last-params", _plan(Fault(RESET, DOWN, frame=9, frame_kind=PARAMS, skew=300))), "fail", SLOW, RESET_SEEN),
+    (
+        Case("reset-last-params", _plan(Fault(RESET, DOWN, frame=9, frame_kind=PARAMS, skew=300))),
+        "fail",
+        SLOW,
+        RESET_SEEN,
+    ),
     # During AUTH: rank 1 never joins; the others wait for it at the start-up barrier.
     (Case("reset-handshake", _plan(Fault(RESET, UP, frame=1, skew=10))), "fail", SLOW, RESET_SEEN),
 ]
@@ -478,10 +546,13 @@ class GarbledClock(AssertionError):
     ),
 )
 def test_a_garbled_payload_is_not_noticed_before_it_is_used(pool, reference):
-    case = Case("garbled-params", _plan(
-        Fault(DUPLICATE, DOWN, frame=5, frame_kind=PARAMS, skew=500, nbytes=8),  # clock 1's reply
-        Fault(DROP, DOWN, frame=5, frame_kind=PARAMS, skew=1000),  # from that frame's end on: no more bytes
-    ))
+    case = Case(
+        "garbled-params",
+        _plan(
+            Fault(DUPLICATE, DOWN, frame=5, frame_kind=PARAMS, skew=500, nbytes=8),  # clock 1's reply
+            Fault(DROP, DOWN, frame=5, frame_kind=PARAMS, skew=1000),  # from that frame's end on: no more bytes
+        ),
+    )
     outcomes = pool.run(case, SLOW)
     print(check(case, outcomes, reference, SLOW))
     assert not any(o.ok for o in outcomes.values()) and not _unfired(outcomes)

@@ -18,7 +18,9 @@ from .support.trainworkers import run_failures, single_process, train_worker
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine: the GPU path of the trainer cannot run"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA GPU on this machine: the GPU path of the trainer cannot run"
+    ),
 ]
 
 CUDA = {"device": "cuda"}

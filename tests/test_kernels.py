@@ -12,7 +12,13 @@ from poseidon_aio.kernels import cpu
 
 
 @settings(max_examples=30, deadline=None)
-@given(workers=st.integers(1, 4), rows=st.integers(1, 9), m=st.integers(1, 20), n=st.integers(1, 20), seed=st.integers(0, 99))
+@given(
+    workers=st.integers(1, 4),
+    rows=st.integers(1, 9),
+    m=st.integers(1, 20),
+    n=st.integers(1, 20),
+    seed=st.integers(0, 99),
+)
 def test_reconstruction_equals_the_mean_of_autograd_gradients(workers, rows, m, n, seed):
     g = torch.Generator().manual_seed(seed)
     layer = torch.nn.Linear(n, m)
@@ -44,7 +50,9 @@ def test_reconstruction_is_deterministic():
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.skipif(not kernels.cuda_available(), reason="no CUDA GPU (or CuPy) on this machine: the CuPy kernels cannot run")
+@pytest.mark.skipif(
+    not kernels.cuda_available(), reason="no CUDA GPU (or CuPy) on this machine: the CuPy kernels cannot run"
+)
 def test_cupy_kernel_matches_the_cpu_reference():
     us = [torch.randn(16, 300) for _ in range(4)]
     vs = [torch.randn(16, 200) for _ in range(4)]

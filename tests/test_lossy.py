@@ -39,7 +39,10 @@ EPS = float(np.finfo(np.float32).eps)
 
 def _gradients(seed: int, world: int, steps: int, shapes, scale: float = 1.0) -> list:
     rng = np.random.default_rng(seed)
-    return [[[(scale * rng.standard_normal(s)).astype(np.float32) for s in shapes] for _ in range(world)] for _ in range(steps)]
+    return [
+        [[(scale * rng.standard_normal(s)).astype(np.float32) for s in shapes] for _ in range(world)]
+        for _ in range(steps)
+    ]
 
 
 def _simulate(make_step, grads_by_step, world: int):
@@ -69,8 +72,17 @@ shapes_of = st.tuples(st.integers(2, 12), st.integers(2, 12), st.booleans())
 
 
 @settings(max_examples=40, deadline=None)
-@given(dims=shapes_of, world=st.integers(1, 4), steps=st.integers(1, 12), ratio=st.floats(0.05, 1.0), seed=st.integers(0, 10_000), scale=st.sampled_from([1e-4, 1.0, 1e3]))
-def test_topk_error_feedback_tracks_the_true_gradient_sum_with_a_bounded_residual(dims, world, steps, ratio, seed, scale):
+@given(
+    dims=shapes_of,
+    world=st.integers(1, 4),
+    steps=st.integers(1, 12),
+    ratio=st.floats(0.05, 1.0),
+    seed=st.integers(0, 10_000),
+    scale=st.sampled_from([1e-4, 1.0, 1e3]),
+)
+def test_topk_error_feedback_tracks_the_true_gradient_sum_with_a_bounded_residual(
+    dims, world, steps, ratio, seed, scale
+):
     """Sum of applied updates - sum of true mean gradients == -(mean of the final errors), and
     each error stays under G sqrt(d) / (1 - sqrt(d)), d = 1 - k/size, G the largest gradient norm:
     the k largest of M carry at least k/size of its squared norm, so
@@ -100,7 +112,13 @@ def test_topk_error_feedback_tracks_the_true_gradient_sum_with_a_bounded_residua
 
 
 @settings(max_examples=30, deadline=None)
-@given(dims=shapes_of, world=st.integers(1, 4), steps=st.integers(1, 10), rank=st.integers(1, 4), seed=st.integers(0, 10_000))
+@given(
+    dims=shapes_of,
+    world=st.integers(1, 4),
+    steps=st.integers(1, 10),
+    rank=st.integers(1, 4),
+    seed=st.integers(0, 10_000),
+)
 def test_powersgd_error_feedback_tracks_the_true_gradient_sum_and_never_grows_an_error(dims, world, steps, rank, seed):
     """Sum of applied updates - sum of true mean gradients == -(mean of the final errors)
     (P_hat Q_mean^T = mean_w P_hat Q_w^T and E_w' = M_w - P_hat Q_w^T telescope), and each step's
@@ -129,11 +147,18 @@ def test_powersgd_error_feedback_tracks_the_true_gradient_sum_and_never_grows_an
 
 
 @settings(max_examples=30, deadline=None)
-@given(m=st.integers(4, 16), n=st.integers(4, 16), world=st.integers(1, 4), steps=st.integers(1, 8), rank=st.integers(1, 4), seed=st.integers(0, 10_000))
+@given(
+    m=st.integers(4, 16),
+    n=st.integers(4, 16),
+    world=st.integers(1, 4),
+    steps=st.integers(1, 8),
+    rank=st.integers(1, 4),
+    seed=st.integers(0, 10_000),
+)
 def test_powersgd_reproduces_gradients_that_stay_in_one_rank_r_subspace(m, n, world, steps, rank, seed):
     """Gradients A C_t B^T in a fixed subspace of rank s <= r (A, B orthonormal, C_t with
-    singular values in [1, 2], the same on every worker): P = M Q spans A, the warm-started Q spans B, so the result is the
-    mean gradient and the error holds nothing but rounding, step after step. (Where the row space
+    singular values in [1, 2], the same on every worker): P = M Q spans A, the warm-started Q spans B, so the
+    result is the mean gradient and the error holds nothing but rounding, step after step. (Where the row space
     turns every step, one power iteration from the last Q is only as good as their overlap: the
     error then carries the rest, which the telescoping test above bounds.)"""
     rng = np.random.default_rng(seed)
@@ -160,13 +185,22 @@ def test_powersgd_reproduces_gradients_that_stay_in_one_rank_r_subspace(m, n, wo
 
 
 layer_shapes = st.lists(
-    st.tuples(st.integers(2, 12), st.integers(2, 12), st.booleans()).map(lambda d: [(d[0], d[1]), (d[0],)] if d[2] else [(d[0], d[1])]),
-    min_size=2, max_size=4,
+    st.tuples(st.integers(2, 12), st.integers(2, 12), st.booleans()).map(
+        lambda d: [(d[0], d[1]), (d[0],)] if d[2] else [(d[0], d[1])]
+    ),
+    min_size=2,
+    max_size=4,
 )
 
 
 @settings(max_examples=30, deadline=None)
-@given(layers=layer_shapes, world=st.integers(1, 4), steps=st.integers(1, 5), rank=st.integers(1, 4), seed=st.integers(0, 10_000))
+@given(
+    layers=layer_shapes,
+    world=st.integers(1, 4),
+    steps=st.integers(1, 5),
+    rank=st.integers(1, 4),
+    seed=st.integers(0, 10_000),
+)
 def test_powersgd_merged_layers_give_each_layer_its_own_bits_and_state(layers, world, steps, rank, seed):
     """An MG-WFBP group of PowerSGD layers (one P and one Q all-reduce for all) yields every
     layer's result and error-feedback state bit for bit as its own sync would: state is kept per
@@ -200,7 +234,9 @@ def test_powersgd_step_rejects_members_that_do_not_cover_its_arrays():
     with pytest.raises(ConfigError, match="members name 3 arrays, it holds 2"):
         PowerSGDStep("a..b", [np.zeros((4, 4), np.float32)] * 2, 2, Feedback(), [("a", 1), ("b", 2)])
     with pytest.raises(ConfigError, match="layer b has no matrix parameter"):
-        PowerSGDStep("a..b", [np.zeros((4, 4), np.float32), np.zeros(4, np.float32)], 2, Feedback(), [("a", 1), ("b", 1)])
+        PowerSGDStep(
+            "a..b", [np.zeros((4, 4), np.float32), np.zeros(4, np.float32)], 2, Feedback(), [("a", 1), ("b", 1)]
+        )
 
 
 def test_orthonormalize_zeroes_dependent_columns_and_keeps_a_projection():
@@ -226,7 +262,12 @@ def _mesh(world: int) -> dict:
 def _syncers(scheme: Scheme, world: int, config: CompressionConfig, links=None, timeout: float = 10.0):
     links = links or _mesh(world)
     feedback = [Feedback() for _ in range(world)]
-    syncers = [syncer_class(scheme).build(SyncContext(r, world, links[r], timeout, chunk_bytes=64, compression=config, feedback=feedback[r])) for r in range(world)]
+    syncers = [
+        syncer_class(scheme).build(
+            SyncContext(r, world, links[r], timeout, chunk_bytes=64, compression=config, feedback=feedback[r])
+        )
+        for r in range(world)
+    ]
     return syncers, feedback, links
 
 
@@ -247,7 +288,9 @@ async def test_every_rank_gets_the_same_bits_and_the_pure_arithmetic_s(scheme, w
     for clock, grads in enumerate(grads_by_step):
         outs = [[np.empty(s, np.float32) for s in SHAPES] for _ in range(world)]
         async with asyncio.timeout(30):
-            results = await asyncio.gather(*(syncers[r].start(Bucket("conv", [1], [0, 1], outs[r], grads=grads[r]), clock) for r in range(world)))
+            results = await asyncio.gather(
+                *(syncers[r].start(Bucket("conv", [1], [0, 1], outs[r], grads=grads[r]), clock) for r in range(world))
+            )
         for r in range(1, world):
             assert all(a.tobytes() == b.tobytes() for a, b in zip(outs[0], outs[r])), f"rank {r} differs"
         assert all(res.bytes_sent > 0 and res.bytes_received > 0 for res in results)
@@ -261,7 +304,13 @@ async def test_every_rank_gets_the_same_bits_and_the_pure_arithmetic_s(scheme, w
 
 
 @settings(max_examples=25, deadline=None)
-@given(layers=layer_shapes, world=st.integers(2, 3), steps=st.integers(1, 3), ratio=st.sampled_from([0.05, 0.2, 0.5]), seed=st.integers(0, 10_000))
+@given(
+    layers=layer_shapes,
+    world=st.integers(2, 3),
+    steps=st.integers(1, 3),
+    ratio=st.sampled_from([0.05, 0.2, 0.5]),
+    seed=st.integers(0, 10_000),
+)
 def test_topk_merged_layers_give_each_layer_its_own_bits_and_state(layers, world, steps, ratio, seed):
     """An MG-WFBP group of top-k layers (one all-gather, the payloads back to back) yields every
     layer's result and error-feedback state bit for bit as its own sync would: each layer is
@@ -284,12 +333,22 @@ def test_topk_merged_layers_give_each_layer_its_own_bits_and_state(layers, world
         merged, merged_fb, _ = _syncers(Scheme.TOPK, world, config)
         alone, alone_fb, _ = _syncers(Scheme.TOPK, world, config)
         for clock, grads_t in enumerate(grads):
-            outs = {(how, r): [np.empty(g.shape, np.float32) for g in grads_t[r]] for how in ("merged", "alone") for r in range(world)}
-            syncs = [merged[r].start(Bucket.merged(buckets(r, grads_t[r], outs[("merged", r)])), clock) for r in range(world)]
-            syncs += [alone[r].start(b, clock) for r in range(world) for b in buckets(r, grads_t[r], outs[("alone", r)])]
+            outs = {
+                (how, r): [np.empty(g.shape, np.float32) for g in grads_t[r]]
+                for how in ("merged", "alone")
+                for r in range(world)
+            }
+            syncs = [
+                merged[r].start(Bucket.merged(buckets(r, grads_t[r], outs[("merged", r)])), clock) for r in range(world)
+            ]
+            syncs += [
+                alone[r].start(b, clock) for r in range(world) for b in buckets(r, grads_t[r], outs[("alone", r)])
+            ]
             await asyncio.gather(*syncs)
             for r in range(world):
-                assert [a.tobytes() for a in outs[("merged", r)]] == [a.tobytes() for a in outs[("alone", r)]], f"rank {r}, clock {clock}"
+                assert [a.tobytes() for a in outs[("merged", r)]] == [a.tobytes() for a in outs[("alone", r)]], (
+                    f"rank {r}, clock {clock}"
+                )
         for a, b in zip(merged_fb, alone_fb):
             sa, sb = a.state(), b.state()
             assert sorted(sa) == sorted(sb) and all(sa[k].tobytes() == sb[k].tobytes() for k in sa)
@@ -302,14 +361,23 @@ async def test_a_merged_top_k_payload_with_one_layer_s_section_wrong_names_that_
     syncer = _syncers(Scheme.TOPK, 2, CompressionConfig("topk", ratio=0.2), links=links)[0][0]
     grads = _gradients(1, 1, 1, SHAPES + SHAPES)[0][0]
     outs = [np.empty(g.shape, np.float32) for g in grads]
-    bucket = Bucket.merged([Bucket("conv1", [3], [0, 1], outs[:2], grads=grads[:2]), Bucket("conv2", [4], [2, 3], outs[2:], grads=grads[2:])])
+    bucket = Bucket.merged(
+        [
+            Bucket("conv1", [3], [0, 1], outs[:2], grads=grads[:2]),
+            Bucket("conv2", [4], [2, 3], outs[2:], grads=grads[2:]),
+        ]
+    )
     k = topk_count(6 * 2 * 3 * 3, 0.2)  # 22 of 108
     first = [np.zeros(6, np.float32), np.arange(k, dtype=np.uint32), np.ones(k, np.float32)]
     second = [np.zeros(6, np.float32), np.arange(k, dtype=np.uint32)[::-1].copy(), np.ones(k, np.float32)]  # decreasing
     async with asyncio.timeout(30):
         task = syncer.start(bucket, 2)
         await links[1][0].send(Kind.PUSH, first + second, key=frame_key(3, 2, 0), clock=2, dtype=DType.BYTES)
-        with pytest.raises(RemoteProtocolError, match="rank 1 sent indices that do not strictly increase for the top-k values of layer conv2..conv1 at clock 2 \\(its layer conv2\\)"):
+        with pytest.raises(
+            RemoteProtocolError,
+            match="rank 1 sent indices that do not strictly increase for the top-k values of layer conv2..conv1 "
+            "at clock 2 \\(its layer conv2\\)",
+        ):
             await task
 
 
@@ -321,7 +389,11 @@ async def test_a_layer_s_next_clock_waits_for_its_last_one_as_error_feedback_nee
     grads = _gradients(3, world, 2, SHAPES)
     outs = {(r, t): [np.empty(s, np.float32) for s in SHAPES] for r in range(world) for t in range(2)}
     async with asyncio.timeout(30):
-        tasks = [syncers[r].start(Bucket("conv", [1], [0, 1], outs[(r, t)], grads=grads[t][r]), t) for t in range(2) for r in range(world)]
+        tasks = [
+            syncers[r].start(Bucket("conv", [1], [0, 1], outs[(r, t)], grads=grads[t][r]), t)
+            for t in range(2)
+            for r in range(world)
+        ]
         await asyncio.gather(*tasks)
     pure = _simulate(lambda g, fb: TopKStep("conv", g, config.ratio, fb), grads, world)[0]
     for t in range(2):
@@ -338,14 +410,18 @@ async def test_a_malformed_payload_from_a_peer_fails_the_sync_naming_layer_and_r
         task = syncer.start(Bucket("blocks.3.conv", [4], [0, 1], outs, grads=grads), 9)
         # Rank 1 answers with 5 junk bytes where a payload of this layer's shape belongs.
         await links[1][0].send(Kind.PUSH, b"\x01" * 5, key=frame_key(4, phase, 0), clock=9, dtype=DType.BYTES)
-        with pytest.raises(RemoteProtocolError, match="rank 1 sent 5 bytes of BYTES for .*layer blocks.3.conv at clock 9"):
+        with pytest.raises(
+            RemoteProtocolError, match="rank 1 sent 5 bytes of BYTES for .*layer blocks.3.conv at clock 9"
+        ):
             await task
 
 
 async def test_a_silent_peer_is_a_sync_timeout_naming_it():
     syncer = _syncers(Scheme.TOPK, 3, CompressionConfig("topk"), timeout=0.2)[0][0]
     grads = _gradients(1, 1, 1, SHAPES)[0][0]
-    with pytest.raises(SyncTimeout, match="rank 0: the top-k values of layer conv at clock 0: nothing from ranks \\[1, 2\\]"):
+    with pytest.raises(
+        SyncTimeout, match="rank 0: the top-k values of layer conv at clock 0: nothing from ranks \\[1, 2\\]"
+    ):
         async with asyncio.timeout(30):
             await syncer.start(Bucket("conv", [1], [0, 1], [np.empty(s, np.float32) for s in SHAPES], grads=grads), 0)
 
@@ -359,7 +435,10 @@ def test_feedback_state_round_trips_and_a_mismatched_shape_is_a_checkpoint_error
     again = Feedback()
     again.load(saved)
     assert {k: v.tobytes() for k, v in again.state().items()} == {k: v.tobytes() for k, v in saved.items()}
-    with pytest.raises(CheckpointError, match="layer fc.a: the error-feedback state error has shape \\(20,\\), this model needs \\(30,\\)"):
+    with pytest.raises(
+        CheckpointError,
+        match="layer fc.a: the error-feedback state error has shape \\(20,\\), this model needs \\(30,\\)",
+    ):
         TopKStep("fc.a", _gradients(2, 1, 1, [(5, 6)])[0][0], 0.2, again).begin()
     with pytest.raises(CheckpointError):
         Feedback().load({"noslash": np.zeros(1)})
@@ -387,11 +466,17 @@ def test_lossy_times_follow_the_documented_model():
     config = CompressionConfig("auto", rank=4, ratio=0.01)
     d, e, p = 589_824, 256, 4
     beta, alpha = SLOW.beta, SLOW.alpha
-    assert lossy_time(layer, Scheme.FP16, p, SLOW, config, costs) == pytest.approx(2 * alpha + beta * 1.5 * 2 * (d + e) + 1e-5 + 1e-9 * (d + e))
+    assert lossy_time(layer, Scheme.FP16, p, SLOW, config, costs) == pytest.approx(
+        2 * alpha + beta * 1.5 * 2 * (d + e) + 1e-5 + 1e-9 * (d + e)
+    )
     floats = 4 * (256 + 2304) + e
-    assert lossy_time(layer, Scheme.POWERSGD, p, SLOW, config, costs) == pytest.approx(4 * alpha + beta * 1.5 * 4 * floats + 2e-5 + 2e-9 * d)
+    assert lossy_time(layer, Scheme.POWERSGD, p, SLOW, config, costs) == pytest.approx(
+        4 * alpha + beta * 1.5 * 4 * floats + 2e-5 + 2e-9 * d
+    )
     k = 5899
-    assert lossy_time(layer, Scheme.TOPK, p, SLOW, config, costs) == pytest.approx(alpha + beta * 3 * (4 * e + 8 * k) + 3e-5 + 3e-9 * d)
+    assert lossy_time(layer, Scheme.TOPK, p, SLOW, config, costs) == pytest.approx(
+        alpha + beta * 3 * (4 * e + 8 * k) + 3e-5 + 3e-9 * d
+    )
 
 
 def test_what_suits_a_lossy_scheme():
@@ -399,7 +484,12 @@ def test_what_suits_a_lossy_scheme():
     assert unsuited(NORM, Scheme.TOPK, config) == "no matrix parameter (a bias, a norm)"
     assert unsuited(_conv("c1", 16, 3), Scheme.FP16, config) == "432 matrix elements, under 16384"
     assert unsuited(_conv("c1", 16, 3), Scheme.FP16, config, forced=True) is None
-    assert unsuited(PlanLayer(LayerShape("x", "fc", 512, 512), True, params=((512, 512),), float32=False), Scheme.FP16, config) == "not float32"
+    assert (
+        unsuited(
+            PlanLayer(LayerShape("x", "fc", 512, 512), True, params=((512, 512),), float32=False), Scheme.FP16, config
+        )
+        == "not float32"
+    )
     # 10 x 4096 at rank 4: 16 424 floats of factors against 40 960: suited; at rank 8 it is not
     # cheaper than a third... and a 128 x 128 matrix at rank 64 moves as much as it holds.
     assert unsuited(_fc("head", 10, 4096), Scheme.POWERSGD, config) is None
@@ -410,15 +500,35 @@ def test_auto_takes_the_least_predicted_time_and_small_layers_stay_exact():
     layers = [_conv("conv1", 16, 3), NORM, _conv("conv5", 512, 512), _fc("head", 10, 512)]
     planner = LossyPlanner(CompressionConfig("auto"), ComputeCosts())
     report: dict = {}
-    plan = choose_schemes(layers, {"head": 32}, mode=Mode.POSEIDON, workers=4, shards=4, link=SLOW, compression=planner, report=report)
-    assert plan["conv1"] in (Scheme.PS, Scheme.ALLREDUCE) and plan["bn"] in (Scheme.PS, Scheme.ALLREDUCE) and plan["head"] in (Scheme.PS, Scheme.ALLREDUCE, Scheme.SFB)
+    plan = choose_schemes(
+        layers, {"head": 32}, mode=Mode.POSEIDON, workers=4, shards=4, link=SLOW, compression=planner, report=report
+    )
+    assert (
+        plan["conv1"] in (Scheme.PS, Scheme.ALLREDUCE)
+        and plan["bn"] in (Scheme.PS, Scheme.ALLREDUCE)
+        and plan["head"] in (Scheme.PS, Scheme.ALLREDUCE, Scheme.SFB)
+    )
     assert plan["conv5"] in (Scheme.POWERSGD, Scheme.TOPK)
     w = report["conv5"]
-    assert w.choice.value == min(w.times, key=w.times.get) and set(w.times) >= {"ps", "allreduce", "fp16", "powersgd", "topk"}
+    assert w.choice.value == min(w.times, key=w.times.get) and set(w.times) >= {
+        "ps",
+        "allreduce",
+        "fp16",
+        "powersgd",
+        "topk",
+    }
     assert report["conv1"].why.startswith("exact: ") and "fp16" not in report["conv1"].times
     # A fast link with costly compute: nothing lossy pays.
     dear = LossyPlanner(CompressionConfig("auto"), ComputeCosts({s: (1.0, 0.0) for s in ("fp16", "powersgd", "topk")}))
-    fast = choose_schemes(layers, {"head": 32}, mode=Mode.POSEIDON, workers=4, shards=4, link=Link.of_bandwidth(1.25e9, 1e-5), compression=dear)
+    fast = choose_schemes(
+        layers,
+        {"head": 32},
+        mode=Mode.POSEIDON,
+        workers=4,
+        shards=4,
+        link=Link.of_bandwidth(1.25e9, 1e-5),
+        compression=dear,
+    )
     assert not {s for s in fast.values()} & {Scheme.FP16, Scheme.POWERSGD, Scheme.TOPK}
 
 
@@ -431,7 +541,9 @@ def test_a_tie_stays_exact():
     extra = exact_t - fp16_t
     while fp16_t + extra < exact_t:  # float rounding: make it a tie, not a win by one ulp
         extra = float(np.nextafter(extra, np.inf))
-    tied = LossyPlanner(CompressionConfig("auto"), ComputeCosts({"fp16": (extra, 0.0), "powersgd": (100.0, 0.0), "topk": (100.0, 0.0)}))
+    tied = LossyPlanner(
+        CompressionConfig("auto"), ComputeCosts({"fp16": (extra, 0.0), "powersgd": (100.0, 0.0), "topk": (100.0, 0.0)})
+    )
     w = tied.weigh(layer, 0, Scheme.ALLREDUCE, (Scheme.ALLREDUCE,), 4, 4, SLOW)
     assert w.times["fp16"] == pytest.approx(w.times["allreduce"], rel=1e-12) and w.choice is Scheme.ALLREDUCE
 
@@ -440,16 +552,32 @@ def test_one_named_method_goes_wherever_it_suits_and_exact_elsewhere():
     layers = [_conv("conv1", 16, 3), _conv("conv5", 512, 512), _fc("sq", 128, 128)]
     fast = Link.of_bandwidth(1.25e10, 0.0)  # even where the link would not need it
     for method in ("fp16", "topk", "powersgd"):
-        plan = choose_schemes(layers, {}, mode=Mode.POSEIDON, workers=4, shards=4, link=fast, compression=LossyPlanner(CompressionConfig(method, rank=64)))
+        plan = choose_schemes(
+            layers,
+            {},
+            mode=Mode.POSEIDON,
+            workers=4,
+            shards=4,
+            link=fast,
+            compression=LossyPlanner(CompressionConfig(method, rank=64)),
+        )
         assert plan["conv5"] is Scheme(method) and plan["conv1"] in (Scheme.PS, Scheme.ALLREDUCE)
         # 128 x 128 at rank 64: PowerSGD no cheaper than exact; the others suit it.
         assert (plan["sq"] is Scheme(method)) == (method != "powersgd")
-    assert choose_schemes(layers, {}, mode=Mode.POSEIDON, workers=1, shards=1, compression=LossyPlanner(CompressionConfig("fp16")))["conv5"] is Scheme.PS
+    assert (
+        choose_schemes(
+            layers, {}, mode=Mode.POSEIDON, workers=1, shards=1, compression=LossyPlanner(CompressionConfig("fp16"))
+        )["conv5"]
+        is Scheme.PS
+    )
 
 
 def test_lossy_overrides_need_a_matrix_and_mode_poseidon():
     layers = [NORM, _conv("conv1", 16, 3)]
-    assert choose_schemes(layers, {}, mode=Mode.POSEIDON, workers=2, shards=2, overrides={"conv1": "powersgd"})["conv1"] is Scheme.POWERSGD
+    assert (
+        choose_schemes(layers, {}, mode=Mode.POSEIDON, workers=2, shards=2, overrides={"conv1": "powersgd"})["conv1"]
+        is Scheme.POWERSGD
+    )
     with pytest.raises(ConfigError, match="bn cannot go by topk: no matrix parameter"):
         choose_schemes(layers, {}, mode=Mode.POSEIDON, workers=2, shards=2, overrides={"bn": "topk"})
     with pytest.raises(ConfigError, match="mode 'wfbp' syncs every layer by PS"):
@@ -458,7 +586,14 @@ def test_lossy_overrides_need_a_matrix_and_mode_poseidon():
 
 def test_compression_settings_are_validated_and_agreed_on():
     assert CompressionConfig.of(None) is None and CompressionConfig.of("topk").method.value == "topk"
-    for bad in (dict(method="zip"), dict(rank=0), dict(ratio=0.0), dict(ratio=1.5), dict(min_elements=0), dict(link=Link(0.0, 0.0))):
+    for bad in (
+        dict(method="zip"),
+        dict(rank=0),
+        dict(ratio=0.0),
+        dict(ratio=1.5),
+        dict(min_elements=0),
+        dict(link=Link(0.0, 0.0)),
+    ):
         with pytest.raises(ConfigError):
             CompressionConfig(**bad)
     with pytest.raises(ConfigError):
@@ -475,7 +610,13 @@ def test_the_trainer_refuses_compression_outside_mode_poseidon():
 
     model = torch.nn.Linear(4, 2)
     with pytest.raises(ConfigError, match="use mode 'poseidon', not 'wfbp'"):
-        Trainer(model, torch.optim.SGD(model.parameters(), 0.1), torch.nn.functional.mse_loss, mode="wfbp", compression="topk")
+        Trainer(
+            model,
+            torch.optim.SGD(model.parameters(), 0.1),
+            torch.nn.functional.mse_loss,
+            mode="wfbp",
+            compression="topk",
+        )
     with pytest.raises(ConfigError, match="compression must be one of"):
         Trainer(model, torch.optim.SGD(model.parameters(), 0.1), torch.nn.functional.mse_loss, compression="zip")
 
@@ -483,19 +624,56 @@ def test_the_trainer_refuses_compression_outside_mode_poseidon():
 def test_explain_prints_every_candidate_s_predicted_time_and_the_choice():
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run(
-        [sys.executable, "-m", "poseidon_aio.cli", "explain", "--model", "resnet50", "--workers", "4", "--bandwidth", "100mbit", "--alpha", "100", "--compression", "auto", "--json"],
-        capture_output=True, text=True, timeout=120, cwd=root,
+        [
+            sys.executable,
+            "-m",
+            "poseidon_aio.cli",
+            "explain",
+            "--model",
+            "resnet50",
+            "--workers",
+            "4",
+            "--bandwidth",
+            "100mbit",
+            "--alpha",
+            "100",
+            "--compression",
+            "auto",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
     )
     out = json.loads(done.stdout)
     rows = {r["name"]: r for r in out["layers"]}
     assert out["compression"]["method"] == "auto" and set(out["compute"]) == {"fp16", "powersgd", "topk"}
     for r in rows.values():
-        assert r["choice"] == min(r["predicted_s"], key=r["predicted_s"].get) or (r["choice"] == r["exact"] and r["why"].startswith("exact"))
-    assert rows["bn1"]["choice"] in ("ps", "allreduce") and "topk" not in rows["bn1"]["predicted_s"]  # a norm stays exact
+        assert r["choice"] == min(r["predicted_s"], key=r["predicted_s"].get) or (
+            r["choice"] == r["exact"] and r["why"].startswith("exact")
+        )
+    assert (
+        rows["bn1"]["choice"] in ("ps", "allreduce") and "topk" not in rows["bn1"]["predicted_s"]
+    )  # a norm stays exact
     assert rows["layer4.0.conv2"]["choice"] in ("fp16", "powersgd", "topk")  # 2.4 M elements at 100 Mbit
     text = subprocess.run(
-        [sys.executable, "-m", "poseidon_aio.cli", "explain", "--fc", "4096x4096", "--workers", "8", "--compression", "powersgd"],
-        capture_output=True, text=True, timeout=120, cwd=root,
+        [
+            sys.executable,
+            "-m",
+            "poseidon_aio.cli",
+            "explain",
+            "--fc",
+            "4096x4096",
+            "--workers",
+            "8",
+            "--compression",
+            "powersgd",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
     ).stdout
     assert "powersgd named, and the layer suits it" in text and "1gbit links" in text
 
@@ -513,4 +691,6 @@ def test_a_link_with_a_flop_rate_charges_the_weight_gradient_to_lossy_schemes_to
 
     layer, config = _fc("fc", 512, 1024), CompressionConfig("auto")
     plain = lossy_time(layer, Scheme.TOPK, 4, Link(1e-4, 8e-8), config, ComputeCosts(), rows=32)
-    assert lossy_time(layer, Scheme.TOPK, 4, Measured(), config, ComputeCosts(), rows=32) == pytest.approx(plain + 2 * 32 * 512 * 1024 * 1e-10)
+    assert lossy_time(layer, Scheme.TOPK, 4, Measured(), config, ComputeCosts(), rows=32) == pytest.approx(
+        plain + 2 * 32 * 512 * 1024 * 1e-10
+    )

@@ -1,6 +1,6 @@
-"""The compressed payloads' codecs (wire/half.py, wire/lowrank.py, wire/sparse.py) and the rows scheme's (wire/rows.py): round trips
-under hypothesis, and malformed payloads — fuzzed and hand-made — raise RemoteProtocolError naming
-the layer and the rank, nothing else."""
+"""The compressed payloads' codecs (wire/half.py, wire/lowrank.py, wire/sparse.py) and the rows scheme's
+(wire/rows.py): round trips under hypothesis, and malformed payloads — fuzzed and hand-made — raise
+RemoteProtocolError naming the layer and the rank, nothing else."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ def _frame(parts, dtype) -> Frame:
 
 
 float32s = hnp.arrays(np.float32, st.integers(0, 64), elements=st.floats(width=32, allow_nan=True, allow_infinity=True))
-finite32s = hnp.arrays(np.float32, st.integers(1, 64), elements=st.floats(width=32, allow_nan=False, allow_infinity=False))
+finite32s = hnp.arrays(
+    np.float32, st.integers(1, 64), elements=st.floats(width=32, allow_nan=False, allow_infinity=False)
+)
 
 
 # -- half ---------------------------------------------------------------------------------------
@@ -61,7 +63,15 @@ def test_half_error_is_half_an_ulp_of_float16_relative_at_any_scale(x, exponent)
 
 @pytest.mark.parametrize(
     "scale,match",
-    [(np.inf, "scale inf"), (np.nan, "scale nan"), (0.0, "scale 0.0"), (-2.0, "scale -2.0"), (3.0, "scale 3.0"), (2.0**113, "scale 1.03"), (2.0**-127, "scale 5.87")],
+    [
+        (np.inf, "scale inf"),
+        (np.nan, "scale nan"),
+        (0.0, "scale 0.0"),
+        (-2.0, "scale -2.0"),
+        (3.0, "scale 3.0"),
+        (2.0**113, "scale 1.03"),
+        (2.0**-127, "scale 5.87"),
+    ],
 )
 def test_half_refuses_a_scale_that_is_not_a_power_of_two_in_range(scale, match):
     frame = _frame([np.float32([scale]), np.ones(3, np.float16)], half.DTYPE)
@@ -69,7 +79,9 @@ def test_half_refuses_a_scale_that_is_not_a_power_of_two_in_range(scale, match):
         half.decode(frame, 3, what=WHAT)
 
 
-@pytest.mark.parametrize("length,dtype", [(4 + 2 * 2, DType.BYTES), (4 + 2 * 4, DType.BYTES), (4 + 2 * 3, DType.FLOAT16), (0, DType.BYTES)])
+@pytest.mark.parametrize(
+    "length,dtype", [(4 + 2 * 2, DType.BYTES), (4 + 2 * 4, DType.BYTES), (4 + 2 * 3, DType.FLOAT16), (0, DType.BYTES)]
+)
 def test_half_refuses_a_chunk_of_another_length_or_dtype(length, dtype):
     with pytest.raises(RemoteProtocolError, match=f"rank {RANK} sent {length} bytes of {dtype.name} for {WHAT}"):
         half.decode(_frame(b"\0" * length, dtype), 3, what=WHAT)
@@ -94,7 +106,9 @@ def test_lowrank_round_trips_bit_for_bit(x):
     assert got.tobytes() == x.tobytes() and lowrank.expand(lowrank.encode(x)).tobytes() == x.tobytes()
 
 
-@pytest.mark.parametrize("length,dtype", [(8, DType.FLOAT32), (16, DType.FLOAT32), (12, DType.FLOAT16), (12, DType.BYTES)])
+@pytest.mark.parametrize(
+    "length,dtype", [(8, DType.FLOAT32), (16, DType.FLOAT32), (12, DType.FLOAT16), (12, DType.BYTES)]
+)
 def test_lowrank_refuses_another_length_or_dtype(length, dtype):
     with pytest.raises(RemoteProtocolError, match=f"rank {RANK} sent {length} bytes of {dtype.name} for {WHAT}"):
         lowrank.decode(_frame(b"\0" * length, dtype), 3, what=WHAT)
@@ -138,7 +152,10 @@ def test_sparse_layers_refuse_a_wrong_total_length_and_name_the_layer_of_a_bad_s
     good = [np.float32([1.0]), np.uint32([1, 2]), np.float32([1.0, 2.0])]
     bad = [np.float32([1.0]), np.uint32([2, 1]), np.float32([1.0, 2.0])]
     layouts = [(1, 2, 10), (1, 2, 10)]
-    with pytest.raises(RemoteProtocolError, match=f"rank {RANK} sent 20 bytes of BYTES for {WHAT}: expected 1 exact values and 2 .* and 1 exact"):
+    with pytest.raises(
+        RemoteProtocolError,
+        match=f"rank {RANK} sent 20 bytes of BYTES for {WHAT}: expected 1 exact values and 2 .* and 1 exact",
+    ):
         sparse.decode_layers(_frame(good, sparse.DTYPE), layouts, what=WHAT)
     with pytest.raises(RemoteProtocolError, match=f"do not strictly increase for {WHAT} \\(its layer fc2\\)"):
         sparse.decode_layers(_frame(good + bad, sparse.DTYPE), layouts, what=WHAT, names=["fc1", "fc2"])
@@ -161,7 +178,9 @@ def test_sparse_refuses_indices_out_of_range_repeated_or_unordered(indices, matc
 
 @pytest.mark.parametrize("length", [0, 4 + 8 * 2 - 1, 4 + 8 * 3, 4 + 8 * 2 + 4])
 def test_sparse_refuses_another_length(length):
-    with pytest.raises(RemoteProtocolError, match=f"rank {RANK} sent {length} bytes of BYTES for {WHAT}: expected 1 exact values and 2"):
+    with pytest.raises(
+        RemoteProtocolError, match=f"rank {RANK} sent {length} bytes of BYTES for {WHAT}: expected 1 exact values and 2"
+    ):
         sparse.decode(_frame(b"\0" * length, DType.BYTES), 1, 2, 10, what=WHAT)
 
 
@@ -192,7 +211,12 @@ def test_rows_round_trip_rebuilds_the_gradient_bit_for_bit(grad):
 
 
 @pytest.mark.parametrize(
-    "indices,match", [([3, 10], "the row 10 for .*vocabulary is 10 rows"), ([4, 4], "rows that do not strictly increase .*position 1: 4 then 4"), ([5, 2], "rows that do not .*position 1: 5 then 2")]
+    "indices,match",
+    [
+        ([3, 10], "the row 10 for .*vocabulary is 10 rows"),
+        ([4, 4], "rows that do not strictly increase .*position 1: 4 then 4"),
+        ([5, 2], "rows that do not .*position 1: 5 then 2"),
+    ],
 )
 def test_rows_refuse_a_row_out_of_range_repeated_or_unordered(indices, match):
     frame = _frame([np.array(indices, np.uint32), np.ones((2, 3), np.float32)], rows.DTYPE)
@@ -200,9 +224,15 @@ def test_rows_refuse_a_row_out_of_range_repeated_or_unordered(indices, match):
         rows.decode(frame, 10, 3, what=WHAT)
 
 
-@pytest.mark.parametrize("length,dtype", [(15, DType.BYTES), (17, DType.BYTES), (16 * 11, DType.BYTES), (16, DType.FLOAT32)])
+@pytest.mark.parametrize(
+    "length,dtype", [(15, DType.BYTES), (17, DType.BYTES), (16 * 11, DType.BYTES), (16, DType.FLOAT32)]
+)
 def test_rows_refuse_a_part_row_more_rows_than_the_vocabulary_or_another_dtype(length, dtype):
-    with pytest.raises(RemoteProtocolError, match=f"rank {RANK} sent {length} bytes of {dtype.name} for {WHAT}: expected a whole number of rows of 16 bytes"):
+    with pytest.raises(
+        RemoteProtocolError,
+        match=f"rank {RANK} sent {length} bytes of {dtype.name} for {WHAT}: "
+        "expected a whole number of rows of 16 bytes",
+    ):
         rows.decode(_frame(b"\0" * length, dtype), 10, 3, what=WHAT)
 
 
@@ -225,7 +255,9 @@ def test_rows_encoding_the_wrong_arrays_is_our_error():
     k=st.integers(0, 8),
     size=st.integers(0, 40),
 )
-def test_fuzz_every_decoder_returns_or_raises_remote_protocol_error_naming_layer_and_rank(raw, dtype, n, dense, k, size):
+def test_fuzz_every_decoder_returns_or_raises_remote_protocol_error_naming_layer_and_rank(
+    raw, dtype, n, dense, k, size
+):
     """h11's invariant for the compressed payloads: any bytes decode or raise the peer's protocol
     error (naming the layer and the sending rank), never anything else."""
     frame = _frame(raw, dtype)
@@ -247,7 +279,11 @@ def test_fuzz_every_decoder_returns_or_raises_remote_protocol_error_naming_layer
 def test_fuzz_a_corrupted_valid_payload_decodes_or_raises_remote_protocol_error(x, flip, byte):
     for codec, parts, args in (
         (half, half.encode(x), (x.size,)),
-        (sparse, sparse.encode(x[:2], np.arange(min(3, x.size), dtype=np.uint32), x[: min(3, x.size)]), (min(2, x.size), min(3, x.size), x.size)),
+        (
+            sparse,
+            sparse.encode(x[:2], np.arange(min(3, x.size), dtype=np.uint32), x[: min(3, x.size)]),
+            (min(2, x.size), min(3, x.size), x.size),
+        ),
     ):
         payload = bytearray(b"".join(p.tobytes() for p in parts))
         payload[flip % len(payload)] = byte

@@ -46,7 +46,9 @@ def test_every_method_keeps_replicas_identical_repeats_bit_for_bit_and_fp16_trac
     for label, *_ in runs:
         params = res[0][label]["params"]
         for r in range(1, workers):
-            assert all(a.tobytes() == b.tobytes() for a, b in zip(params, res[r][label]["params"])), f"{label}: rank {r}'s replica differs from rank 0's"
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(params, res[r][label]["params"])), (
+                f"{label}: rank {r}'s replica differs from rank 0's"
+            )
     for method in METHODS:
         first, again = res[0][method]["params"], res[0][f"{method}-again"]["params"]
         assert all(a.tobytes() == b.tobytes() for a, b in zip(first, again)), f"{method}: the same seed gave other bits"
@@ -58,8 +60,12 @@ def test_every_method_keeps_replicas_identical_repeats_bit_for_bit_and_fp16_trac
         assert all(res[0][method]["bytes"].get(s, 0) > 0 for s in lossy)
     for method in ("powersgd", "topk"):
         merged = res[0][f"{method}-merged"]
-        assert any(len(g) > 1 and all(merged["schemes"][n] == method for n in g) for g in merged["groups"]), merged["groups"]
-        assert all(a.tobytes() == b.tobytes() for a, b in zip(res[0][method]["params"], merged["params"])), f"{method}: merged layers gave other bits"
+        assert any(len(g) > 1 and all(merged["schemes"][n] == method for n in g) for g in merged["groups"]), merged[
+            "groups"
+        ]
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(res[0][method]["params"], merged["params"])), (
+            f"{method}: merged layers gave other bits"
+        )
     # fp16 against one process. Each step's aggregate is off by at most two float16 roundings
     # (a peer's contribution and the mean), (1 + 2^-11)^2 - 1 < 2^-10 relative, so at most
     # 2^-10 G per element, G the largest gradient. SGD with momentum m moves a parameter over
@@ -78,7 +84,9 @@ def test_a_killed_compressed_run_resumes_with_its_error_feedback_bitwise_equal(t
     from .support.lossyworkers import lossy_checkpoint_worker
 
     steps, seed = 6, 4
-    clean = run_workers(2, lossy_checkpoint_worker, [("clean", str(tmp_path / "clean"), None)], seed, steps, timeout=180)
+    clean = run_workers(
+        2, lossy_checkpoint_worker, [("clean", str(tmp_path / "clean"), None)], seed, steps, timeout=180
+    )
     schemes = clean[0]["clean"]["schemes"]
     assert schemes["fc1"] == "powersgd" and schemes["fc2"] == "topk" and schemes["conv"] == "topk"
     directory = str(tmp_path / "crash")
@@ -90,7 +98,11 @@ def test_a_killed_compressed_run_resumes_with_its_error_feedback_bitwise_equal(t
         got, ref = resumed[r]["crash"], clean[r]["clean"]
         assert got["start"] == 4 and got["restored"] == 3  # the three lossy layers' state came back
         for name in ref["state"]:
-            assert ref["state"][name].tobytes() == got["state"][name].tobytes(), f"rank {r}'s {name} differs after resuming"
+            assert ref["state"][name].tobytes() == got["state"][name].tobytes(), (
+                f"rank {r}'s {name} differs after resuming"
+            )
         assert sorted(ref["feedback"]) == sorted(got["feedback"])
         for key in ref["feedback"]:
-            assert ref["feedback"][key].tobytes() == got["feedback"][key].tobytes(), f"rank {r}'s error feedback {key} differs"
+            assert ref["feedback"][key].tobytes() == got["feedback"][key].tobytes(), (
+                f"rank {r}'s error feedback {key} differs"
+            )

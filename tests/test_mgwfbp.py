@@ -11,7 +11,18 @@ from hypothesis import strategies as st
 from poseidon_aio.errors import ConfigError
 from poseidon_aio.plan import MergeConfig
 from poseidon_aio.plan.cost import Scheme
-from poseidon_aio.plan.mgwfbp import CommModel, bucket_plan, fit, groups_of, iteration_time, merge_plan, optimal_plan, tapered_plan, timeline, with_launches
+from poseidon_aio.plan.mgwfbp import (
+    CommModel,
+    bucket_plan,
+    fit,
+    groups_of,
+    iteration_time,
+    merge_plan,
+    optimal_plan,
+    tapered_plan,
+    timeline,
+    with_launches,
+)
 
 
 def test_case_1_communication_hidden_nothing_merged():
@@ -117,7 +128,9 @@ def test_fit_takes_the_start_up_from_the_small_messages():
 def test_loop_cpu_per_byte_is_the_slope_over_the_four_crossings():
     from poseidon_aio.sync.runtime import loop_cpu_per_byte
 
-    assert loop_cpu_per_byte([(4096, 1e-4 + 4 * 4096 * 2e-10), (1 << 20, 1e-4 + 4 * (1 << 20) * 2e-10)]) == pytest.approx(2e-10)
+    assert loop_cpu_per_byte(
+        [(4096, 1e-4 + 4 * 4096 * 2e-10), (1 << 20, 1e-4 + 4 * (1 << 20) * 2e-10)]
+    ) == pytest.approx(2e-10)
     assert loop_cpu_per_byte([(4096, 1e-4)]) == 0.0
 
 
@@ -153,7 +166,9 @@ def test_runtime_takes_the_serial_cost_out_of_the_measured_backward_and_plans_wi
     layers, sizes = list(range(8)), [3e4] * 8
 
     def plan(serial):
-        runtime = MergePlanner(MergeConfig(kind="algorithm1"), world=4, shards=4, scheme=Scheme.ALLREDUCE, calibration=calibration)
+        runtime = MergePlanner(
+            MergeConfig(kind="algorithm1"), world=4, shards=4, scheme=Scheme.ALLREDUCE, calibration=calibration
+        )
         for _ in range(3):
             # The warm-up: each layer's gradient 10 ms after the one above (its own message's
             # serial cost included), ~0.2 ms of loop CPU a message.
@@ -173,15 +188,27 @@ def test_a_lossy_message_s_start_up_spread_and_size_for_mg_wfbp():
     from poseidon_aio.plan.merging import MergeConfig, MergePlanner
 
     calibration = [(s, 2 * (1e-4 + 1e-8 * s)) for s in (4096, 65536, 1 << 20)]
-    models = {s: MergePlanner(MergeConfig(kind="algorithm1"), 4, 4, s, calibration).comm_model() for s in (Scheme.ALLREDUCE, Scheme.POWERSGD, Scheme.TOPK)}
+    models = {
+        s: MergePlanner(MergeConfig(kind="algorithm1"), 4, 4, s, calibration).comm_model()
+        for s in (Scheme.ALLREDUCE, Scheme.POWERSGD, Scheme.TOPK)
+    }
     # P, then Q from it: two rounds a message; the bytes cross the link alike
-    assert models[Scheme.POWERSGD].a == pytest.approx(2 * models[Scheme.ALLREDUCE].a) and models[Scheme.POWERSGD].b == models[Scheme.ALLREDUCE].b
+    assert (
+        models[Scheme.POWERSGD].a == pytest.approx(2 * models[Scheme.ALLREDUCE].a)
+        and models[Scheme.POWERSGD].b == models[Scheme.ALLREDUCE].b
+    )
     # a 512 x 4608 convolution at rank 4: 4 x (512 + 4608) floats, not 512 x 4608
-    assert message_bytes([(512, 512, 3, 3), (512,)], Scheme.POWERSGD, CompressionConfig(rank=4)) == 4 * (4 * (512 + 4608) + 512)
+    assert message_bytes([(512, 512, 3, 3), (512,)], Scheme.POWERSGD, CompressionConfig(rank=4)) == 4 * (
+        4 * (512 + 4608) + 512
+    )
     # top-k: one round; its payload goes whole to each of the P - 1 = 3 peers, against an
     # all-reduce's 2 (P - 1) / P = 1.5 of its vector
-    assert models[Scheme.TOPK].a == pytest.approx(models[Scheme.ALLREDUCE].a) and models[Scheme.TOPK].b == pytest.approx(2 * models[Scheme.ALLREDUCE].b)
-    assert message_bytes([(512, 512, 3, 3), (512,)], Scheme.TOPK, CompressionConfig(ratio=0.01)) == 4 * 512 + 8 * 23593  # k = ceil(1 % of 2 359 296)
+    assert models[Scheme.TOPK].a == pytest.approx(models[Scheme.ALLREDUCE].a) and models[
+        Scheme.TOPK
+    ].b == pytest.approx(2 * models[Scheme.ALLREDUCE].b)
+    assert (
+        message_bytes([(512, 512, 3, 3), (512,)], Scheme.TOPK, CompressionConfig(ratio=0.01)) == 4 * 512 + 8 * 23593
+    )  # k = ceil(1 % of 2 359 296)
     with pytest.raises(ConfigError, match="allreduce is not a lossy scheme"):
         message_bytes([(64, 64)], Scheme.ALLREDUCE, CompressionConfig())
 
@@ -194,7 +221,13 @@ def test_a_merge_plan_is_kept_only_if_the_slowest_ranks_step_got_faster():
     faster = {0: [5.0, 0.030, 0.046], 1: [5.0, 0.031, 0.032]}  # 0.031, 0.046: 0.0385
     slower = {0: [5.0, 0.030, 0.030], 1: [5.0, 0.060, 0.060]}  # rank 1 is the step: 0.060
     verdict = judge_trial(warm, faster)
-    assert verdict == {"kept": True, "best": 0, "unmerged_s": pytest.approx(0.0475), "planned_s": pytest.approx(0.0385), "trials_s": [pytest.approx(0.0385)]}
+    assert verdict == {
+        "kept": True,
+        "best": 0,
+        "unmerged_s": pytest.approx(0.0475),
+        "planned_s": pytest.approx(0.0385),
+        "trials_s": [pytest.approx(0.0385)],
+    }
     assert judge_trial(warm, slower)["kept"] is False
     assert judge_trial(warm, warm)["kept"] is False  # no gain, no merge: one message per layer stays
     assert judge_trial({0: [0.05]}, {0: [0.04]})["kept"] is True  # one step each: nothing to leave out
@@ -207,7 +240,9 @@ def test_a_merge_plan_is_kept_only_if_the_slowest_ranks_step_got_faster():
 
 @given(
     st.lists(st.lists(st.floats(1e-3, 1.0), min_size=3, max_size=3), min_size=2, max_size=4),
-    st.lists(st.lists(st.lists(st.floats(1e-3, 1.0), min_size=3, max_size=3), min_size=2, max_size=4), min_size=1, max_size=3),
+    st.lists(
+        st.lists(st.lists(st.floats(1e-3, 1.0), min_size=3, max_size=3), min_size=2, max_size=4), min_size=1, max_size=3
+    ),
 )
 @settings(max_examples=200, deadline=None)
 def test_every_rank_reaches_the_same_verdict_and_it_is_the_fastest_plan_if_any_beat_the_warm_up(warm_rows, trial_rows):
@@ -218,7 +253,9 @@ def test_every_rank_reaches_the_same_verdict_and_it_is_the_fastest_plan_if_any_b
     trials = [{r: t[r] for r in range(ranks)} for t in trial_rows]
     verdict = judge_trial(warm, *trials)
     # The same figures arriving in another rank order (the exchange's dict) give the same verdict.
-    assert judge_trial(dict(reversed(list(warm.items()))), *(dict(reversed(list(t.items()))) for t in trials)) == verdict
+    assert (
+        judge_trial(dict(reversed(list(warm.items()))), *(dict(reversed(list(t.items()))) for t in trials)) == verdict
+    )
 
     def job(times):  # each step at its slowest rank, the phase's first left out
         steps = [max(times[r][i] for r in times) for i in range(1, 3)]
@@ -236,7 +273,9 @@ def test_best_plans_with_both_planners_and_one_message_and_lists_each_distinct_p
     layers = list(range(12))
 
     def plans(kind, sizes, serial):
-        runtime = MergePlanner(MergeConfig(kind=kind), world=4, shards=4, scheme=Scheme.ALLREDUCE, calibration=calibration)
+        runtime = MergePlanner(
+            MergeConfig(kind=kind), world=4, shards=4, scheme=Scheme.ALLREDUCE, calibration=calibration
+        )
         for _ in range(3):
             ready = {layer: 0.1 + 0.004 * (12 - layer) for layer in layers}
             runtime.record(0.05, 0.1, ready, layers, [], 0, 1e-3, serial)
@@ -245,9 +284,17 @@ def test_best_plans_with_both_planners_and_one_message_and_lists_each_distinct_p
     for sizes in ([3e4] * 12, [1e3, 4e5, 2e3, 8e5, 1e3, 3e4, 5e5, 1e3, 2e4, 9e5, 1e3, 1e4]):
         for serial in (0.0, 2e-3):
             best = plans("best", sizes, serial)
-            greedy, exact, buckets, tapered = (plans(k, sizes, serial)["groups"] for k in ("algorithm1", "optimal", "buckets", "tapered"))
+            greedy, exact, buckets, tapered = (
+                plans(k, sizes, serial)["groups"] for k in ("algorithm1", "optimal", "buckets", "tapered")
+            )
             single = [[f"l{i}" for i in layers]]
-            want = [("algorithm1", greedy), ("optimal", exact), ("single", single), ("buckets", buckets), ("tapered", tapered)]
+            want = [
+                ("algorithm1", greedy),
+                ("optimal", exact),
+                ("single", single),
+                ("buckets", buckets),
+                ("tapered", tapered),
+            ]
             want = [(name, g) for i, (name, g) in enumerate(want) if all(g != other for _, other in want[:i])]
             assert best["groups"] == greedy and best["planner"] == "algorithm1"
             assert [(c["planner"], c["groups"]) for c in best["candidates"]] == want
@@ -261,16 +308,24 @@ def test_bucket_plan_fills_ddp_s_buckets_from_the_output_by_hand():
     plan = bucket_plan(0.0, [1e-3] * 5, sizes, model)
     assert plan.groups == ((1,), (2, 3), (4, 5))
     assert plan.t_iter == iteration_time(0.0, [1e-3] * 5, sizes, model, plan.groups)
-    assert bucket_plan(0.0, [1e-3] * 5, sizes, model, first_bytes=1, bucket_bytes=1).groups == tuple((layer,) for layer in range(1, 6))
+    assert bucket_plan(0.0, [1e-3] * 5, sizes, model, first_bytes=1, bucket_bytes=1).groups == tuple(
+        (layer,) for layer in range(1, 6)
+    )
     assert bucket_plan(0.0, [1e-3] * 5, sizes, model, first_bytes=1e9, bucket_bytes=1e9).groups == ((1, 2, 3, 4, 5),)
     with pytest.raises(ConfigError, match="positive"):
         bucket_plan(0.0, [1e-3], [1.0], model, bucket_bytes=0)
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
-@given(sizes=st.lists(st.integers(1, 1 << 22), min_size=1, max_size=40), first=st.integers(1, 1 << 21), then=st.integers(1, 1 << 23))
+@given(
+    sizes=st.lists(st.integers(1, 1 << 22), min_size=1, max_size=40),
+    first=st.integers(1, 1 << 21),
+    then=st.integers(1, 1 << 23),
+)
 def test_bucket_plan_partitions_the_layers_and_every_bucket_but_the_input_side_one_reaches_its_cap(sizes, first, then):
-    groups = bucket_plan(0.0, [1e-4] * len(sizes), sizes, CommModel(1e-4, 1e-9), first_bytes=first, bucket_bytes=then).groups
+    groups = bucket_plan(
+        0.0, [1e-4] * len(sizes), sizes, CommModel(1e-4, 1e-9), first_bytes=first, bucket_bytes=then
+    ).groups
     assert [layer for g in groups for layer in g] == list(range(1, len(sizes) + 1))
     assert all(list(g) == list(range(g[0], g[-1] + 1)) for g in groups)
     for k, g in enumerate(reversed(groups)):  # from the output, as DDP fills them
@@ -296,17 +351,24 @@ def test_tapered_plan_cuts_the_input_side_bucket_to_the_first_bucket_s_bytes_by_
     assert plan.t_iter == iteration_time(0.0, t_b, sizes, model, plan.groups)
     # A first layer over the cap still goes alone; a bucket already small enough is not cut.
     assert tapered_plan(0.0, t_b, [5e6, *sizes[1:]], model).groups == ((1,), (2, 3, 4, 5), (6,))
-    assert tapered_plan(0.0, t_b, sizes, model, first_bytes=2e6).groups == bucket_plan(0.0, t_b, sizes, model, first_bytes=2e6).groups
+    assert (
+        tapered_plan(0.0, t_b, sizes, model, first_bytes=2e6).groups
+        == bucket_plan(0.0, t_b, sizes, model, first_bytes=2e6).groups
+    )
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
-@given(sizes=st.lists(st.integers(1, 1 << 22), min_size=1, max_size=40), first=st.integers(1, 1 << 21), then=st.integers(1, 1 << 23))
+@given(
+    sizes=st.lists(st.integers(1, 1 << 22), min_size=1, max_size=40),
+    first=st.integers(1, 1 << 21),
+    then=st.integers(1, 1 << 23),
+)
 def test_tapered_plan_is_ddp_s_buckets_with_at_most_the_first_bucket_s_bytes_after_the_backward(sizes, first, then):
     t_b, model = [1e-4] * len(sizes), CommModel(1e-4, 1e-9)
     ddp = bucket_plan(0.0, t_b, sizes, model, first_bytes=first, bucket_bytes=then).groups
     groups = tapered_plan(0.0, t_b, sizes, model, first_bytes=first, bucket_bytes=then).groups
     assert [layer for g in groups for layer in g] == list(range(1, len(sizes) + 1))
-    assert groups[-len(ddp) + 1:] == ddp[1:] or len(ddp) == 1  # every bucket but the input side's as DDP's
+    assert groups[-len(ddp) + 1 :] == ddp[1:] or len(ddp) == 1  # every bucket but the input side's as DDP's
     tail = sum(sizes[layer - 1] for layer in groups[0])
     assert len(groups[0]) == 1 or tail <= first  # what waits for the end of the backward
     assert len(groups) - len(ddp) in (0, 1)

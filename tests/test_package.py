@@ -63,8 +63,10 @@ def test_every_exception_the_library_defines_is_a_poseidon_error():
         "    if info.name.endswith('._ccodec') or '.kernels.cuda' in info.name: continue\n"
         "    mod = importlib.import_module(info.name)\n"
         "    for name, obj in vars(mod).items():\n"
-        "        if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == info.name and not name.startswith('_'):\n"
-        "            if not issubclass(obj, e.PoseidonError) or info.name != 'poseidon_aio.errors': bad.append(f'{info.name}.{name}')\n"
+        "        if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == info.name"
+        " and not name.startswith('_'):\n"
+        "            if not issubclass(obj, e.PoseidonError) or info.name != 'poseidon_aio.errors':"
+        " bad.append(f'{info.name}.{name}')\n"
         "print(bad)"
     )
     assert _python(code) == "[]"
@@ -75,9 +77,22 @@ def test_the_gpu_tests_collect_where_pytest_asyncio_is_not_installed():
     # a conftest hook of that plugin must be optional there, or pytest stops before any test
     # (it did, on 2026-11-26: "unknown hook 'pytest_asyncio_loop_factories'").
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:asyncio", "-p", "no:cacheprovider", "--collect-only", "tests/test_gpu.py"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:asyncio",
+            "-p",
+            "no:cacheprovider",
+            "--collect-only",
+            "tests/test_gpu.py",
+        ],
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
 
@@ -91,5 +106,13 @@ def test_the_package_exports_every_config_the_trainer_takes():
 
     annotations = " ".join(str(p.annotation) for p in inspect.signature(Trainer).parameters.values())
     configs = set(re.findall(r"\b\w+Config\b", annotations))
-    assert {"PSConfig", "NetConfig", "MergeConfig", "AllReduceConfig", "OptimizerConfig", "StartupConfig", "TraceConfig"} <= configs
+    assert {
+        "PSConfig",
+        "NetConfig",
+        "MergeConfig",
+        "AllReduceConfig",
+        "OptimizerConfig",
+        "StartupConfig",
+        "TraceConfig",
+    } <= configs
     assert [name for name in sorted(configs) if not hasattr(poseidon_aio, name)] == []

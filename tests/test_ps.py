@@ -54,7 +54,9 @@ def test_arrival_order_does_not_change_a_bit():
 @given(
     staleness=st.integers(0, 2),
     schedules=st.lists(
-        st.lists(st.lists(st.sampled_from([0.0, 0.0, 0.005, 0.02, 0.06]), min_size=4, max_size=4), min_size=3, max_size=3),
+        st.lists(
+            st.lists(st.sampled_from([0.0, 0.0, 0.005, 0.02, 0.06]), min_size=4, max_size=4), min_size=3, max_size=3
+        ),
         min_size=2,
         max_size=3,
     ),

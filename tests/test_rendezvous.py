@@ -146,8 +146,12 @@ def test_a_process_with_stuck_store_calls_exits_promptly():
     root = Path(__file__).resolve().parent.parent
     with silent_listener() as port:
         proc = subprocess.run(
-            [sys.executable, "-c", stuck_exit_script(port)], cwd=root, capture_output=True, text=True,
-            timeout=120, env={**os.environ, "PYTHONPATH": str(root)},
+            [sys.executable, "-c", stuck_exit_script(port)],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(root)},
         )
         exited = time.monotonic()
     assert proc.returncode == 0, proc.stderr[-2000:]

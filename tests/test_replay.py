@@ -21,7 +21,11 @@ def test_a_replayed_model_gives_every_layer_its_gradient_in_the_real_backward_or
     # The order in which the real backward finishes each layer's gradients.
     finished = []
     owners = {m: n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))}
-    hooks = [p.register_post_accumulate_grad_hook(lambda p, n=n: finished.append(n)) for m, n in owners.items() for p in m.parameters(recurse=False)]
+    hooks = [
+        p.register_post_accumulate_grad_hook(lambda p, n=n: finished.append(n))
+        for m, n in owners.items()
+        for p in m.parameters(recurse=False)
+    ]
     real.float().mean().backward()
     real_order = list(dict.fromkeys(finished))
     for h in hooks:
@@ -30,7 +34,11 @@ def test_a_replayed_model_gives_every_layer_its_gradient_in_the_real_backward_or
     finished.clear()
 
     replay(model, batch, tflops=1e3)
-    hooks = [p.register_post_accumulate_grad_hook(lambda p, n=n: finished.append(n)) for m, n in owners.items() for p in m.parameters(recurse=False)]
+    hooks = [
+        p.register_post_accumulate_grad_hook(lambda p, n=n: finished.append(n))
+        for m, n in owners.items()
+        for p in m.parameters(recurse=False)
+    ]
     out = model(batch[0])
     assert out.shape == real.shape
     out.float().mean().backward()

@@ -29,7 +29,9 @@ def _syncers(world: int, timeout: float = 10.0) -> tuple:
     for a in range(world):
         for b in range(a + 1, world):
             links[a][b], links[b][a] = LocalLink.pair(a, b)
-    return [syncer_class(Scheme.ROWS).build(SyncContext(r, world, links[r], timeout, chunk_bytes=64)) for r in range(world)], links
+    return [
+        syncer_class(Scheme.ROWS).build(SyncContext(r, world, links[r], timeout, chunk_bytes=64)) for r in range(world)
+    ], links
 
 
 def _grad(rng, vocab: int, width: int, tokens: int) -> np.ndarray:
@@ -40,7 +42,13 @@ def _grad(rng, vocab: int, width: int, tokens: int) -> np.ndarray:
 
 
 @settings(max_examples=30, deadline=None)
-@given(world=st.integers(2, 4), vocab=st.integers(1, 30), width=st.integers(1, 5), tokens=st.integers(0, 12), seed=st.integers(0, 10_000))
+@given(
+    world=st.integers(2, 4),
+    vocab=st.integers(1, 30),
+    width=st.integers(1, 5),
+    tokens=st.integers(0, 12),
+    seed=st.integers(0, 10_000),
+)
 def test_every_rank_gets_the_same_bits_equal_to_the_dense_rank_order_mean(world, vocab, width, tokens, seed):
     from .support.memtransport import run_async
 
@@ -50,7 +58,9 @@ def test_every_rank_gets_the_same_bits_equal_to_the_dense_rank_order_mean(world,
     async def scenario():
         syncers, _ = _syncers(world)
         outs = [np.full((vocab, width), np.nan, np.float32) for _ in range(world)]  # every element is written
-        results = await asyncio.gather(*(syncers[r].start(Bucket("embed", [0], [0], [outs[r]], grads=[grads[r]]), 3) for r in range(world)))
+        results = await asyncio.gather(
+            *(syncers[r].start(Bucket("embed", [0], [0], [outs[r]], grads=[grads[r]]), 3) for r in range(world))
+        )
         return outs, results
 
     outs, results = run_async(scenario())
@@ -70,8 +80,17 @@ async def test_a_malformed_payload_from_a_peer_fails_the_sync_naming_layer_clock
     async with asyncio.timeout(30):
         task = syncers[0].start(Bucket("embed", [4], [0], [np.empty((10, 3), np.float32)], grads=[grad]), 9)
         # Rank 1 claims row 12 of a 10-row vocabulary.
-        await links[1][0].send(Kind.PUSH, [np.uint32([2, 12]), np.ones((2, 3), np.float32)], key=frame_key(4, 0, 0), clock=9, dtype=DType.BYTES)
-        with pytest.raises(RemoteProtocolError, match="rank 1 sent the row 12 for the rows of layer embed at clock 9, whose vocabulary is 10 rows"):
+        await links[1][0].send(
+            Kind.PUSH,
+            [np.uint32([2, 12]), np.ones((2, 3), np.float32)],
+            key=frame_key(4, 0, 0),
+            clock=9,
+            dtype=DType.BYTES,
+        )
+        with pytest.raises(
+            RemoteProtocolError,
+            match="rank 1 sent the row 12 for the rows of layer embed at clock 9, whose vocabulary is 10 rows",
+        ):
             await task
 
 
@@ -86,7 +105,9 @@ async def test_a_silent_peer_is_a_sync_timeout_naming_it():
 async def test_a_gradient_that_is_not_one_float32_matrix_is_refused_before_anything_is_sent():
     syncers, _ = _syncers(2)
     with pytest.raises(ConfigError, match="layer embed: the rows scheme takes one float32 vocabulary x width matrix"):
-        await syncers[0].start(Bucket("embed", [0], [0], [np.empty(10, np.float32)], grads=[np.zeros(10, np.float32)]), 0)
+        await syncers[0].start(
+            Bucket("embed", [0], [0], [np.empty(10, np.float32)], grads=[np.zeros(10, np.float32)]), 0
+        )
 
 
 def test_the_cost_is_k_rows_and_their_indices_to_every_peer_and_hybcomm_takes_it_where_k_is_small():
@@ -115,7 +136,11 @@ def test_only_an_unshared_dense_float32_embedding_or_bag_is_row_sparse():
 
     by_name = lambda model: {layer.name: layer for layer in discover(model)}  # noqa: E731
     plain = by_name(nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 3)))
-    assert plain["0"].row_sparse and plain["0"].kind.value == "embedding" and plain["0"].shape(7) == LayerShape("0", "embedding", 50, 8, rows=7)
+    assert (
+        plain["0"].row_sparse
+        and plain["0"].kind.value == "embedding"
+        and plain["0"].shape(7) == LayerShape("0", "embedding", 50, 8, rows=7)
+    )
     assert not plain["1"].row_sparse
     assert not by_name(Tied())["embed"].row_sparse  # the head's dense gradient lands in its rows too
     assert not by_name(nn.Sequential(nn.Embedding(50, 8, sparse=True)))["0"].row_sparse  # torch's own sparse gradient
@@ -129,4 +154,6 @@ def test_a_rows_override_on_a_layer_that_is_not_an_embedding_is_refused():
     with pytest.raises(ConfigError, match="layer fc \\(fc\\) cannot go by rows: only an unshared float32 nn.Embedding"):
         choose_schemes([fc], {"fc": 4}, mode=Mode.POSEIDON, workers=2, shards=2, overrides={"fc": "rows"})
     embed = PlanLayer(LayerShape("embed", "embedding", 50, 8), False)
-    assert choose_schemes([embed], {"embed": 5}, mode=Mode.POSEIDON, workers=2, shards=2, overrides={"embed": "rows"}) == {"embed": Scheme.ROWS}
+    assert choose_schemes(
+        [embed], {"embed": 5}, mode=Mode.POSEIDON, workers=2, shards=2, overrides={"embed": "rows"}
+    ) == {"embed": Scheme.ROWS}

@@ -13,7 +13,9 @@ from poseidon_aio.ps import ServerSGD
 
 def _trainer(**settings):
     model = torch.nn.Linear(4, 2)
-    return poseidon_aio.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss, **settings)
+    return poseidon_aio.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.functional.mse_loss, **settings
+    )
 
 
 @pytest.mark.parametrize(
@@ -23,7 +25,12 @@ def _trainer(**settings):
         (lambda: _trainer(hybcomm=("ps", "carrier-pigeon")), "Trainer(hybcomm=...)"),
         (lambda: _trainer(mode="wfbp", compression="fp16"), "Trainer(compression=...)"),
         (lambda: _trainer(mode="wfbp", merge=poseidon_aio.MergeConfig(kind="single")), "MergeConfig.kind"),
-        (lambda: _trainer(ps=poseidon_aio.PSConfig(server_sgd=ServerSGD(0.1)), merge=poseidon_aio.MergeConfig(kind="single")), "PSConfig.server_sgd"),
+        (
+            lambda: _trainer(
+                ps=poseidon_aio.PSConfig(server_sgd=ServerSGD(0.1)), merge=poseidon_aio.MergeConfig(kind="single")
+            ),
+            "PSConfig.server_sgd",
+        ),
         (lambda: _trainer(ps=poseidon_aio.PSConfig(checkpoint_dir="/tmp/x")), "PSConfig.checkpoint_dir"),
         (lambda: _trainer(batch_loss=lambda model, batch: model(batch).sum()), "exactly one of loss_fn"),
         (lambda: poseidon_aio.AllReduceConfig("tree"), "AllReduceConfig.algorithm"),

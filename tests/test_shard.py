@@ -39,7 +39,9 @@ def test_aggregate_bits_do_not_depend_on_push_order(workers, order, numel, seed)
     async def scenario():
         book = InformationBook(Manifest([ParamSpec("w", (numel,))]), workers=workers, shards=1, chunk_bytes=1 << 30)
         shard, clients = await shard_with_workers(workers, book, PSConfig(), seed)
-        grads = [np.random.default_rng([seed, r]).standard_normal(numel, dtype=np.float32) * 10 ** r for r in range(workers)]
+        grads = [
+            np.random.default_rng([seed, r]).standard_normal(numel, dtype=np.float32) * 10**r for r in range(workers)
+        ]
         outs = [np.empty(numel, dtype=np.float32) for _ in range(workers)]
         waits = [c.expect(Kind.AGGREGATE, 0, 0, into=o) for c, o in zip(clients, outs)]
         ranks = list(range(workers))
@@ -218,7 +220,11 @@ async def test_project_adam_goes_through_the_clock_straggler_and_late_path():
     us = [rng.standard_normal((k, m), dtype=np.float32) for _ in range(3)]
     vs = [rng.standard_normal((k, n), dtype=np.float32) for _ in range(3)]
     outs = [[np.empty(msg.nbytes // 4, np.float32) for msg in book.messages] for _ in range(2)]
-    waits = [c.expect(Kind.AGGREGATE, msg.id, 0, into=o) for c, out in zip(clients, outs) for msg, o in zip(book.messages, out)]
+    waits = [
+        c.expect(Kind.AGGREGATE, msg.id, 0, into=o)
+        for c, out in zip(clients, outs)
+        for msg, o in zip(book.messages, out)
+    ]
     for r in (0, 1):  # rank 2 is late: dropped after the deadline, as a push would be
         await clients[r].send(Kind.FACTORS, [us[r], vs[r]], key=key, clock=0, dtype=DType.FLOAT32)
     await asyncio.gather(*waits)

@@ -23,7 +23,15 @@ from poseidon_aio.errors import ConfigError
 from poseidon_aio.plan import models, simulator
 from poseidon_aio.plan.cost import PAPER_SCHEMES, LayerShape, Link, Scheme, layer_cost, predicted_time
 from poseidon_aio.plan.models import PRESETS, trace, trace_of
-from poseidon_aio.plan.simulator import DDP_FIRST_BUCKET_BYTES, FlowEfficiency, Simulator, events, iteration, network, simulate
+from poseidon_aio.plan.simulator import (
+    DDP_FIRST_BUCKET_BYTES,
+    FlowEfficiency,
+    Simulator,
+    events,
+    iteration,
+    network,
+    simulate,
+)
 from poseidon_aio.wire import Kind
 
 K = 32
@@ -60,7 +68,9 @@ def test_one_layer_two_workers_ps_by_hand():
     assert it.messages == 4
     # At two workers a round of messages is one message: the cost model's time exactly.
     shape = LayerShape("fc", "fc", M, N, rows=K)
-    assert it.time - it.compute == pytest.approx(predicted_time(shape, Scheme.PS, 2, 2, Link(ALPHA, BETA), chunk_bytes=B // 2), rel=1e-12)
+    assert it.time - it.compute == pytest.approx(
+        predicted_time(shape, Scheme.PS, 2, 2, Link(ALPHA, BETA), chunk_bytes=B // 2), rel=1e-12
+    )
 
 
 def test_one_layer_two_workers_sfb_by_hand():
@@ -76,7 +86,9 @@ def test_one_layer_two_workers_sfb_by_hand():
 
 def test_one_layer_two_workers_allreduce_by_hand():
     # Reduce-scatter: B/2 to the other owner; all-gather: the reduced B/2 back.
-    it = run(fc_trace(M, N), 2, rate=RATE, link=Link(ALPHA, BETA), mode="poseidon", hybcomm=("allreduce",), merge="none")
+    it = run(
+        fc_trace(M, N), 2, rate=RATE, link=Link(ALPHA, BETA), mode="poseidon", hybcomm=("allreduce",), merge="none"
+    )
     assert it.schemes == {"fc": "allreduce"}
     assert it.time == pytest.approx(3 * T_F + 2 * ALPHA + B * BETA, rel=1e-12)
     assert it.messages == 4
@@ -85,7 +97,9 @@ def test_one_layer_two_workers_allreduce_by_hand():
 def test_one_layer_four_workers_allreduce_round_a_ring_and_direct_by_hand():
     # Ring (a 1 MiB slice per rank, over auto's 64 KiB): 2 (P - 1) = 6 steps, each a slice of
     # B/4 from every rank to the next, one after another: 6 (alpha + B/4 beta), DDP's ring time.
-    ring = run(fc_trace(M, N), 4, rate=RATE, link=Link(ALPHA, BETA), mode="poseidon", hybcomm=("allreduce",), merge="none")
+    ring = run(
+        fc_trace(M, N), 4, rate=RATE, link=Link(ALPHA, BETA), mode="poseidon", hybcomm=("allreduce",), merge="none"
+    )
     assert ring.schemes == {"fc": "allreduce"}
     assert ring.time == pytest.approx(3 * T_F + 6 * (ALPHA + B / 4 * BETA), rel=1e-12)
     assert (ring.messages, ring.link_messages, ring.link_bytes) == (24, 6, 6 * B // 4)  # all ranks; the busiest link
@@ -93,7 +107,16 @@ def test_one_layer_four_workers_allreduce_round_a_ring_and_direct_by_hand():
     assert ring.time == pytest.approx(ddp.time, rel=1e-12)
     # Direct: each rank sends its three peers' slices (3 alpha + 3 B/4 beta on its up-link), then
     # each owner sends its reduced slice to three peers: the same bytes in 2 rounds.
-    direct = run(fc_trace(M, N), 4, rate=RATE, link=Link(ALPHA, BETA), mode="poseidon", hybcomm=("allreduce",), merge="none", allreduce="direct")
+    direct = run(
+        fc_trace(M, N),
+        4,
+        rate=RATE,
+        link=Link(ALPHA, BETA),
+        mode="poseidon",
+        hybcomm=("allreduce",),
+        merge="none",
+        allreduce="direct",
+    )
     assert direct.time == pytest.approx(3 * T_F + 2 * (3 * ALPHA + 3 * B / 4 * BETA), rel=1e-12)
     assert (direct.messages, direct.link_bytes) == (24, ring.link_bytes)
 
@@ -137,7 +160,15 @@ def test_a_shard_fed_by_three_workers_at_half_rate_by_hand():
 def test_the_ps_slows_with_its_fan_in_where_the_link_binds():
     # One key on one shard: all 7 pushes of it converge on that shard's down-link.
     ideal = run(fc_trace(M, N), 8, rate=RATE, link=Link(ALPHA, BETA), mode="naive", chunk_bytes=B)
-    lossy = run(fc_trace(M, N), 8, rate=RATE, link=Link(ALPHA, BETA), mode="naive", efficiency=FlowEfficiency({1: 1.0, 7: 0.5}), chunk_bytes=B)
+    lossy = run(
+        fc_trace(M, N),
+        8,
+        rate=RATE,
+        link=Link(ALPHA, BETA),
+        mode="naive",
+        efficiency=FlowEfficiency({1: 1.0, 7: 0.5}),
+        chunk_bytes=B,
+    )
     assert lossy.link_bytes == ideal.link_bytes  # the same bytes, delivered slower
     assert 1.25 < lossy.exposed / ideal.exposed <= 2.0
 
@@ -184,14 +215,25 @@ def test_the_naive_ps_takes_its_replies_as_from_every_shard_at_once_by_hand():
 def test_a_layer_spread_over_more_shards_loses_no_more_to_its_pushes_fan_in(p, pieces):
     eff = FlowEfficiency({1: 0.9, 7: 0.6, 15: 0.5})
     one = run(fc_trace(M, N), p, rate=RATE, link=Link(ALPHA, BETA), mode="wfbp", efficiency=eff, chunk_bytes=B)
-    spread = run(fc_trace(M, N), p, rate=RATE, link=Link(ALPHA, BETA), mode="wfbp", efficiency=eff, chunk_bytes=B // pieces)
+    spread = run(
+        fc_trace(M, N), p, rate=RATE, link=Link(ALPHA, BETA), mode="wfbp", efficiency=eff, chunk_bytes=B // pieces
+    )
     ideal = run(fc_trace(M, N), p, rate=RATE, link=Link(ALPHA, BETA), mode="wfbp", chunk_bytes=B // pieces)
     assert ideal.time <= spread.time <= one.time * (1 + 1e-9) + pieces * ALPHA
 
 
 def test_a_ring_and_ddp_pay_the_one_sender_efficiency_at_every_step_by_hand():
     eff = FlowEfficiency({1: 0.8, 3: 0.1})  # a ring feeds each down-link from one sender only
-    ring = run(fc_trace(M, N), 4, rate=RATE, link=Link(ALPHA, BETA), mode="poseidon", hybcomm=("allreduce",), merge="none", efficiency=eff)
+    ring = run(
+        fc_trace(M, N),
+        4,
+        rate=RATE,
+        link=Link(ALPHA, BETA),
+        mode="poseidon",
+        hybcomm=("allreduce",),
+        merge="none",
+        efficiency=eff,
+    )
     ddp = run(fc_trace(M, N), 4, rate=RATE, link=Link(ALPHA, BETA), mode="ddp", efficiency=eff)
     # Every step: the up-link's alpha + B/4 beta, or the down-link's B/4 beta / 0.8, which binds here.
     assert ring.time == pytest.approx(3 * T_F + 6 * max(ALPHA + B / 4 * BETA, B / 4 * BETA / 0.8), rel=1e-12)
@@ -200,7 +242,16 @@ def test_a_ring_and_ddp_pay_the_one_sender_efficiency_at_every_step_by_hand():
 
 def test_an_sfb_exchange_is_fed_by_every_peer_by_hand():
     eff = FlowEfficiency({1: 1.0, 3: 0.5})
-    it = run(fc_trace(M, N), 4, rate=RATE, link=Link(ALPHA, BETA), mode="poseidon", hybcomm=("sfb",), merge="none", efficiency=eff)
+    it = run(
+        fc_trace(M, N),
+        4,
+        rate=RATE,
+        link=Link(ALPHA, BETA),
+        mode="poseidon",
+        hybcomm=("sfb",),
+        merge="none",
+        efficiency=eff,
+    )
     size = 4 * K * (M + N)
     # Each worker's up-link: 3 (alpha + size beta); its down-link: 3 size beta / 0.5, which binds.
     assert it.time == pytest.approx(T_F + 3 * size * BETA / 0.5 + 2 * 4 * K * M * N / RATE, rel=1e-12)
@@ -210,13 +261,24 @@ def test_an_sfb_exchange_is_fed_by_every_peer_by_hand():
 @given(
     data=st.data(),
     p=st.sampled_from([2, 3, 5, 8, 33]),
-    mode=st.sampled_from([("naive", {}), ("wfbp", {}), ("ddp", {}), ("poseidon", {"merge": "none", "hybcomm": ("allreduce",)})]),
+    mode=st.sampled_from(
+        [("naive", {}), ("wfbp", {}), ("ddp", {}), ("poseidon", {"merge": "none", "hybcomm": ("allreduce",)})]
+    ),
 )
 def test_an_ideal_efficiency_changes_nothing(data, p, mode):
     tr = _random_trace(data.draw)
     name, extra = mode
     base = run(tr, p, rate=1e12, link=Link(1e-5, 1e-9), mode=name, chunk_bytes=64 << 10, **extra)
-    same = run(tr, p, rate=1e12, link=Link(1e-5, 1e-9), mode=name, chunk_bytes=64 << 10, efficiency=FlowEfficiency({1: 1.0, 7: 1.0}), **extra)
+    same = run(
+        tr,
+        p,
+        rate=1e12,
+        link=Link(1e-5, 1e-9),
+        mode=name,
+        chunk_bytes=64 << 10,
+        efficiency=FlowEfficiency({1: 1.0, 7: 1.0}),
+        **extra,
+    )
     assert same == base
 
 
@@ -233,7 +295,12 @@ def test_a_lossier_link_is_never_faster(data, p, mode, one, many):
     # that delivers less can only delay.
     tr = _random_trace(data.draw)
     name, extra = mode
-    at = lambda eff=None: run(tr, p, rate=1e12, link=Link(1e-5, 1e-9), mode=name, chunk_bytes=64 << 10, efficiency=eff, **extra).time  # noqa: E731
+
+    def at(eff=None):
+        return run(
+            tr, p, rate=1e12, link=Link(1e-5, 1e-9), mode=name, chunk_bytes=64 << 10, efficiency=eff, **extra
+        ).time
+
     assert at(FlowEfficiency({1: one, max(2, p - 1): min(one, many)})) >= at() * (1 - 1e-12)
 
 
@@ -267,7 +334,9 @@ def test_naive_bytes_and_times_match_table_1_when_nothing_overlaps(p, m, width):
     shape = LayerShape("fc", "fc", m, n, rows=K)
     cost = layer_cost(shape, p, p)
     for scheme, floats in ((Scheme.PS, cost.ps_combined), (Scheme.SFB, cost.sfb), (Scheme.ALLREDUCE, cost.allreduce)):
-        mode = dict(mode="naive") if scheme is Scheme.PS else dict(mode="poseidon", hybcomm=(scheme.value,), merge="none")
+        mode = (
+            dict(mode="naive") if scheme is Scheme.PS else dict(mode="poseidon", hybcomm=(scheme.value,), merge="none")
+        )
         it = run(tr, p, rate=RATE, link=link, chunk_bytes=chunk, **mode)
         assert it.schemes["fc"] == scheme.value
         assert it.link_bytes == pytest.approx(floats * 4 / 2, rel=1e-12)
@@ -318,7 +387,9 @@ def test_a_layer_overhead_is_paid_by_every_pass_by_hand():
     base = run(tr, 2, rate=RATE, link=Link(ALPHA, BETA), mode="naive")
     slow = run(tr, 2, rate=RATE, link=Link(ALPHA, BETA), mode="naive", layer_overhead=o)
     assert slow.time == pytest.approx(base.time + 6 * o, rel=1e-12)  # naive: all after the backward
-    assert run(tr, 2, rate=RATE, link=Link(ALPHA, BETA), mode="poseidon", layer_overhead=0.0) == run(tr, 2, rate=RATE, link=Link(ALPHA, BETA), mode="poseidon")
+    assert run(tr, 2, rate=RATE, link=Link(ALPHA, BETA), mode="poseidon", layer_overhead=0.0) == run(
+        tr, 2, rate=RATE, link=Link(ALPHA, BETA), mode="poseidon"
+    )
 
 
 @pytest.mark.parametrize("mode", ["naive", "wfbp", "mgwfbp", "poseidon", "ddp"])
@@ -351,7 +422,10 @@ def test_papers_models_more_bandwidth_never_slower_more_compute_never_faster(mod
     # Checked on every model at 2..1024 workers (350 cases) while writing this; here a sample.
     tr = trace(model)
     for p in (2, 16, 128):
-        at = lambda bw=10e9 / 8, rate=6e12: run(tr, p, rate=rate, link=Link.of_bandwidth(bw, 45.26e-6), mode=mode, **extra)  # noqa: E731
+
+        def at(bw=10e9 / 8, rate=6e12):
+            return run(tr, p, rate=rate, link=Link.of_bandwidth(bw, 45.26e-6), mode=mode, **extra)
+
         base = at()
         faster = at(bw=20e9 / 8)
         if faster.schemes == base.schemes:  # HybComm may weigh a faster link differently
@@ -366,7 +440,11 @@ def _random_trace(draw):
             m, n = draw(st.sampled_from([16, 256, 1024, 4096])), draw(st.sampled_from([16, 256, 1024, 4096]))
             layers.append((f"fc{i}", [(m, n), (m,)], 2 * K * m * n))
         else:
-            c, d, hw = draw(st.sampled_from([16, 64, 256])), draw(st.sampled_from([16, 64, 256])), draw(st.sampled_from([7, 14, 56]))
+            c, d, hw = (
+                draw(st.sampled_from([16, 64, 256])),
+                draw(st.sampled_from([16, 64, 256])),
+                draw(st.sampled_from([7, 14, 56])),
+            )
             layers.append((f"conv{i}", [(d, c, 3, 3), (d,)], 2 * K * c * d * 9 * hw * hw))
     return trace_of("random", layers, batch=K)
 
@@ -387,7 +465,10 @@ def test_more_bandwidth_less_start_up_or_a_faster_device_never_slower(data, p, m
     # link: time is a max-plus expression of alpha, beta and the compute, monotone in each.
     tr = _random_trace(data.draw)
     name, extra = mode
-    at = lambda a=alpha, b=beta, r=rate: run(tr, p, rate=r, link=Link(a, b), mode=name, chunk_bytes=64 << 10, **extra).time  # noqa: E731
+
+    def at(a=alpha, b=beta, r=rate):
+        return run(tr, p, rate=r, link=Link(a, b), mode=name, chunk_bytes=64 << 10, **extra).time
+
     base = at()
     assert at(b=beta * factor) <= base * (1 + 1e-12)
     assert at(a=alpha * factor) <= base * (1 + 1e-12)
@@ -399,7 +480,9 @@ def test_fifo_links_can_make_ps_slower_on_a_faster_network():
     # shards' reply fan-outs of fc1 are enqueued ahead of conv0's pushes they used to follow, and
     # 32 replies block the push. A random search found 4 such cases in 7 500 (wfbp and PS + SFB,
     # up to 16 %); none on the papers' models at 2-1024 workers.
-    tr = trace_of("hol", [("conv0", [(512, 16, 3, 3), (512,)], 924844032), ("fc1", [(16, 256), (16,)], 262144)], batch=K)
+    tr = trace_of(
+        "hol", [("conv0", [(512, 16, 3, 3), (512,)], 924844032), ("fc1", [(16, 256), (16,)], 262144)], batch=K
+    )
     slow = run(tr, 33, rate=1e13, link=Link(1e-5, 1e-9), mode="wfbp", chunk_bytes=64 << 10)
     fast = run(tr, 33, rate=1e13, link=Link(1e-5, 0.9e-9), mode="wfbp", chunk_bytes=64 << 10)
     assert fast.time > 1.1 * slow.time
@@ -419,7 +502,14 @@ def test_hybcomm_switches_fc_layers_from_sfb_where_algorithm_1_says():
 def test_merge_groups_are_the_trainers_planners_and_pay_off_at_64_workers():
     # bench simulate's MG-WFBP case: ResNet-50, 2 TFLOP/s, 10 Gbit/s, MG-WFBP's start-up
     # a(64) = 2 x 63 x 45.26 us on every push (what bench mgwfbp emulates).
-    sim = Simulator(trace("resnet50"), 64, rate=2e12, link=Link.of_bandwidth(10e9 / 8, 2 * 63 * 45.26e-6), mode="mgwfbp", costed=[Kind.PUSH])
+    sim = Simulator(
+        trace("resnet50"),
+        64,
+        rate=2e12,
+        link=Link.of_bandwidth(10e9 / 8, 2 * 63 * 45.26e-6),
+        mode="mgwfbp",
+        costed=[Kind.PUSH],
+    )
     wfbp, alg1, exact, single = (sim.run(k) for k in ("none", "algorithm1", "optimal", "single"))
     assert len(wfbp.groups["ps"]) == 107 and len(single.groups["ps"]) == 1
     assert alg1.plans["ps"]["planner"] == "algorithm1" and exact.plans["ps"]["planner"] == "optimal"
@@ -447,9 +537,17 @@ def test_the_default_planner_is_never_slower_than_either_planner_one_message_or_
 def test_bad_settings_are_config_errors():
     tr = fc_trace(64, 64)
     for kw in (
-        dict(workers=0), dict(workers=2.5), dict(rate=0), dict(rate=float("inf")), dict(link=Link(-1, 1)),
-        dict(mode="ring"), dict(hybcomm=("carrier-pigeon",)), dict(chunk_bytes=8), dict(latency=-1),
-        dict(layer_overhead=-1e-6), dict(layer_overhead=float("nan")),
+        dict(workers=0),
+        dict(workers=2.5),
+        dict(rate=0),
+        dict(rate=float("inf")),
+        dict(link=Link(-1, 1)),
+        dict(mode="ring"),
+        dict(hybcomm=("carrier-pigeon",)),
+        dict(chunk_bytes=8),
+        dict(latency=-1),
+        dict(layer_overhead=-1e-6),
+        dict(layer_overhead=float("nan")),
     ):
         settings_ = dict(workers=2, rate=1e12, link=Link(0, 1e-9)) | kw
         with pytest.raises(ConfigError):
@@ -559,7 +657,9 @@ def test_bench_paper_scales_a_layer_s_matrix_and_its_factors_by_the_same_factor(
     assert fc == 3
 
 
-def test_bench_paper_reports_saved_results_on_ideal_links_with_the_saved_fan_in_and_the_layer_overhead(monkeypatch, capsys, tmp_path):
+def test_bench_paper_reports_saved_results_on_ideal_links_with_the_saved_fan_in_and_the_layer_overhead(
+    monkeypatch, capsys, tmp_path
+):
     # The report alone (no namespaces): the simulator beside each emulated point, on ideal links,
     # with the saved fan-in, and with the per-layer overhead one worker measured too; the JSON's
     # max error is the last column's over the points with 2 and more workers.
@@ -570,10 +670,22 @@ def test_bench_paper_reports_saved_results_on_ideal_links_with_the_saved_fan_in_
     emulated = {"inception_v3|1|wfbp": {"step_s": 0.273}, "inception_v3|4|naive": {"step_s": 0.433}}
     (tmp_path / "paper-emulated.json").write_text(json.dumps(emulated))
     (tmp_path / "paper-efficiency.json").write_text(json.dumps({"1": 0.95, "3": 0.8}))
-    args = ["--from-json", str(tmp_path / "paper-emulated.json"), "--models", "inception_v3", "--workers", "1,4", "--out", str(tmp_path)]
+    args = [
+        "--from-json",
+        str(tmp_path / "paper-emulated.json"),
+        "--models",
+        "inception_v3",
+        "--workers",
+        "1,4",
+        "--out",
+        str(tmp_path),
+    ]
     out = paper.main(args)
     printed = capsys.readouterr().out
-    assert "| simulated, ideal links | error | simulated, measured fan-in | error | simulated, measured fan-in and layer overhead | error |" in printed
+    assert (
+        "| simulated, ideal links | error | simulated, measured fan-in | error "
+        "| simulated, measured fan-in and layer overhead | error |" in printed
+    )
     assert out["fan_in_efficiency"] == {1: 0.95, 3: 0.8}
     tr = trace("inception_v3", 32)
     link = Link.of_bandwidth(10e9 / 8, 50e-6)
@@ -581,11 +693,24 @@ def test_bench_paper_reports_saved_results_on_ideal_links_with_the_saved_fan_in_
     overhead = (0.273 - nominal) / (2 * len(tr))
     assert f"'inception_v3': {overhead * 1e6:.1f}" in printed
     # one worker with the overhead it was measured from is the emulated iteration itself
-    assert run(tr, 1, rate=4.2e12, link=link, mode="wfbp", layer_overhead=overhead).time == pytest.approx(0.273, rel=1e-9)
-    four = run(tr, 4, rate=4.2e12, link=link, mode="naive", efficiency=FlowEfficiency({1: 0.95, 3: 0.8}), layer_overhead=overhead).time
+    assert run(tr, 1, rate=4.2e12, link=link, mode="wfbp", layer_overhead=overhead).time == pytest.approx(
+        0.273, rel=1e-9
+    )
+    four = run(
+        tr,
+        4,
+        rate=4.2e12,
+        link=link,
+        mode="naive",
+        efficiency=FlowEfficiency({1: 0.95, 3: 0.8}),
+        layer_overhead=overhead,
+    ).time
     assert out["sim_vs_emulated_max_error"] == round(abs(four - 0.433) / 0.433, 3)
     ideal = paper.main([*args, "--efficiency", "ideal"])
-    assert ideal["fan_in_efficiency"] is None and ideal["sim_vs_emulated_max_error_ideal_links"] == out["sim_vs_emulated_max_error_ideal_links"]
+    assert (
+        ideal["fan_in_efficiency"] is None
+        and ideal["sim_vs_emulated_max_error_ideal_links"] == out["sim_vs_emulated_max_error_ideal_links"]
+    )
     assert "| simulated, ideal links | error | simulated, layer overhead | error |" in capsys.readouterr().out
 
 
@@ -602,16 +727,40 @@ def test_bench_paper_runs_and_simulates_a_narrowed_hybcomm_beside_the_others(mon
             paper.impl_variant(bad)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     narrowed = "poseidon:hybcomm=ps+allreduce"
-    emulated = {"vgg19|1|wfbp": {"step_s": 0.9}, "vgg19|8|poseidon": {"step_s": 0.91}, f"vgg19|8|{narrowed}": {"step_s": 1.2}}
+    emulated = {
+        "vgg19|1|wfbp": {"step_s": 0.9},
+        "vgg19|8|poseidon": {"step_s": 0.91},
+        f"vgg19|8|{narrowed}": {"step_s": 1.2},
+    }
     (tmp_path / "paper-emulated.json").write_text(json.dumps(emulated))
-    out = paper.main(["--from-json", str(tmp_path / "paper-emulated.json"), "--models", "vgg19", "--workers", "1,8",
-                      "--impls", f"poseidon,{narrowed}", "--efficiency", "ideal", "--out", str(tmp_path)])
+    out = paper.main(
+        [
+            "--from-json",
+            str(tmp_path / "paper-emulated.json"),
+            "--models",
+            "vgg19",
+            "--workers",
+            "1,8",
+            "--impls",
+            f"poseidon,{narrowed}",
+            "--efficiency",
+            "ideal",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     printed = capsys.readouterr().out
     tr, link = trace("vgg19", 32), Link.of_bandwidth(10e9 / 8, 50e-6)
     for impl, extra, step in (("poseidon", {}, 0.91), (narrowed, {"hybcomm": ("ps", "allreduce")}, 1.2)):
         sim = run(tr, 8, rate=4.2e12, link=link, mode="poseidon", **extra).time
-        assert f"| vgg19 | 8 | {impl} | {step * 1e3:.0f} | {sim * 1e3:.0f} | {abs(sim - step) / step * 100:.1f} % |" in printed
-    assert run(tr, 8, rate=4.2e12, link=link, mode="poseidon").time < run(tr, 8, rate=4.2e12, link=link, mode="poseidon", hybcomm=("ps", "allreduce")).time
+        assert (
+            f"| vgg19 | 8 | {impl} | {step * 1e3:.0f} | {sim * 1e3:.0f} | {abs(sim - step) / step * 100:.1f} % |"
+            in printed
+        )
+    assert (
+        run(tr, 8, rate=4.2e12, link=link, mode="poseidon").time
+        < run(tr, 8, rate=4.2e12, link=link, mode="poseidon", hybcomm=("ps", "allreduce")).time
+    )
     assert out[f"speedup_vgg19_{narrowed}_8w"] == round(8 * 0.9 / 1.2, 2)
 
 
@@ -635,9 +784,19 @@ def test_the_simulator_stays_within_10_percent_of_the_saved_emulations(model, wo
     # ResNet-152's naive PS at 16 collapsed to 2325 ms in one run of four (bench/RESULTS.md).
     from bench import paper
 
-    out = paper.main([
-        "--models", model, "--workers", workers, "--impls", impls, "--out", str(tmp_path),
-        "--from-json", os.path.join(_SAVED, model, "paper-emulated.json"),
-    ])
+    out = paper.main(
+        [
+            "--models",
+            model,
+            "--workers",
+            workers,
+            "--impls",
+            impls,
+            "--out",
+            str(tmp_path),
+            "--from-json",
+            os.path.join(_SAVED, model, "paper-emulated.json"),
+        ]
+    )
     assert out["fan_in_efficiency"], "the saved fan-in curve was not found beside the saved runs"
     assert out["sim_vs_emulated_max_error"] <= 0.10, out["sim_vs_emulated_max_error"]

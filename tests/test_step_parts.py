@@ -11,7 +11,11 @@ from hypothesis import strategies as st
 from poseidon_aio.train.apply import PER_PARAMETER_OPTIMIZERS, step_some
 
 SETTINGS = {
-    torch.optim.SGD: [{"lr": 0.1}, {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-2}, {"lr": 0.1, "momentum": 0.9, "nesterov": True}],
+    torch.optim.SGD: [
+        {"lr": 0.1},
+        {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-2},
+        {"lr": 0.1, "momentum": 0.9, "nesterov": True},
+    ],
     torch.optim.Adam: [{"lr": 0.01}, {"lr": 0.01, "amsgrad": True, "weight_decay": 1e-2}],
     torch.optim.AdamW: [{"lr": 0.01}],
     torch.optim.Adagrad: [{"lr": 0.1, "lr_decay": 0.01}],

@@ -47,7 +47,9 @@ def _fc(name, m, n):
 
 def test_the_plan_follows_algorithm_1_and_respects_overrides():
     layers = [PlanLayer(LayerShape("conv", "conv", 1000, 1), False), _fc("fc6", 4096, 4096), _fc("head", 2, 4096)]
-    paper = choose_schemes(layers, {"fc6": 32, "head": 32}, mode=Mode.POSEIDON, workers=8, shards=8, candidates=PAPER_SCHEMES)
+    paper = choose_schemes(
+        layers, {"fc6": 32, "head": 32}, mode=Mode.POSEIDON, workers=8, shards=8, candidates=PAPER_SCHEMES
+    )
     assert paper == {"conv": Scheme.PS, "fc6": Scheme.SFB, "head": Scheme.PS}
     # With all-reduce a candidate, the layers whose keys would sit on one shard go by it.
     plan = choose_schemes(layers, {"fc6": 32, "head": 32}, mode=Mode.POSEIDON, workers=8, shards=8)
@@ -77,7 +79,14 @@ class _Recorder:
 
 
 def _bucket(layer: int) -> Bucket:
-    return Bucket(f"l{layer}", [layer], [2 * layer, 2 * layer + 1], [f"o{layer}a", f"o{layer}b"], grads=[f"g{layer}a", f"g{layer}b"], priority=layer)
+    return Bucket(
+        f"l{layer}",
+        [layer],
+        [2 * layer, 2 * layer + 1],
+        [f"o{layer}a", f"o{layer}b"],
+        grads=[f"g{layer}a", f"g{layer}b"],
+        priority=layer,
+    )
 
 
 async def test_merging_sends_a_group_once_its_last_layer_is_ready_and_the_rest_alone():

@@ -32,10 +32,21 @@ RUNS = [
 
 specs = st.one_of(
     st.fixed_dictionaries(
-        {"kind": st.just("mlp"), "inputs": st.integers(8, 40), "hidden": st.lists(st.integers(16, 48), min_size=1, max_size=3), "classes": st.integers(2, 6)}
+        {
+            "kind": st.just("mlp"),
+            "inputs": st.integers(8, 40),
+            "hidden": st.lists(st.integers(16, 48), min_size=1, max_size=3),
+            "classes": st.integers(2, 6),
+        }
     ),
     st.fixed_dictionaries(
-        {"kind": st.just("cnn"), "channels": st.integers(2, 4), "side": st.integers(5, 8), "hidden": st.lists(st.integers(16, 40), min_size=1, max_size=1), "classes": st.integers(2, 6)}
+        {
+            "kind": st.just("cnn"),
+            "channels": st.integers(2, 4),
+            "side": st.integers(5, 8),
+            "hidden": st.lists(st.integers(16, 40), min_size=1, max_size=1),
+            "classes": st.integers(2, 6),
+        }
     ),
 )
 
@@ -46,9 +57,13 @@ def assert_replicas_identical_and_one_process(res: dict, runs: list, reference: 
     for label, *_ in runs:
         params = res[0][label]["params"]
         for r in range(1, workers):
-            assert all(a.tobytes() == b.tobytes() for a, b in zip(params, res[r][label]["params"])), f"{label}: rank {r}'s replica differs from rank 0's"
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(params, res[r][label]["params"])), (
+                f"{label}: rank {r}'s replica differs from rank 0's"
+            )
         for a, ref in zip(params, reference):
-            np.testing.assert_allclose(a, ref, rtol=1e-5, atol=1e-6, err_msg=f"{label} differs from the single-process run")
+            np.testing.assert_allclose(
+                a, ref, rtol=1e-5, atol=1e-6, err_msg=f"{label} differs from the single-process run"
+            )
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
@@ -76,13 +91,25 @@ LM_RUNS = [
 ]
 
 lm_specs = st.fixed_dictionaries(
-    {"kind": st.just("lm"), "vocab": st.integers(20, 200), "width": st.integers(2, 12), "sequence": st.integers(1, 6), "hidden": st.lists(st.integers(4, 16), min_size=1, max_size=1), "classes": st.integers(2, 5), "bag": st.booleans()}
+    {
+        "kind": st.just("lm"),
+        "vocab": st.integers(20, 200),
+        "width": st.integers(2, 12),
+        "sequence": st.integers(1, 6),
+        "hidden": st.lists(st.integers(4, 16), min_size=1, max_size=1),
+        "classes": st.integers(2, 5),
+        "bag": st.booleans(),
+    }
 )
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
 @given(spec=lm_specs, workers=st.integers(2, 4), seed=st.integers(0, 1000))
-@example(spec={"kind": "lm", "vocab": 40, "width": 4, "sequence": 3, "hidden": [6], "classes": 3, "bag": True}, workers=3, seed=7)
+@example(
+    spec={"kind": "lm", "vocab": 40, "width": 4, "sequence": 3, "hidden": [6], "classes": 3, "bag": True},
+    workers=3,
+    seed=7,
+)
 def test_an_embedding_synced_by_its_rows_keeps_replicas_identical_and_equals_one_process(spec, workers, seed):
     steps, size = 3, 4
     res = run_workers(workers, train_worker, spec, seed, LM_RUNS, steps, size, {}, timeout=240)
@@ -92,7 +119,9 @@ def test_an_embedding_synced_by_its_rows_keeps_replicas_identical_and_equals_one
     # The rows run moved each rank's touched rows (at most size x sequence of them) to every peer
     # and every peer's to it: sent and received, as the bytes count.
     moved = res[0]["rows"]["bytes"]["rows"]
-    assert 0 < moved <= steps * 2 * (workers - 1) * 4 * min(spec["vocab"], size * spec["sequence"]) * (spec["width"] + 1)
+    assert (
+        0 < moved <= steps * 2 * (workers - 1) * 4 * min(spec["vocab"], size * spec["sequence"]) * (spec["width"] + 1)
+    )
 
 
 def test_hybcomm_uses_sfb_where_it_is_cheaper_and_bytes_match_the_cost_model():
@@ -106,7 +135,10 @@ def test_hybcomm_uses_sfb_where_it_is_cheaper_and_bytes_match_the_cost_model():
     res = run_workers(workers, train_worker, spec, 5, runs, steps, size, {}, timeout=240)
     model = build_model(spec, 5)
     linears = [m for m in model if hasattr(m, "weight")]
-    shapes = [LayerShape(str(i), "fc", m.weight.shape[0], m.weight.shape[1], rows=size, bias=True) for i, m in enumerate(linears)]
+    shapes = [
+        LayerShape(str(i), "fc", m.weight.shape[0], m.weight.shape[1], rows=size, bias=True)
+        for i, m in enumerate(linears)
+    ]
     floats_of = {"ps": "ps_combined", "sfb": "sfb", "allreduce": "allreduce"}
     for label in ("paper", "poseidon"):
         schemes = res[0][label]["schemes"]
@@ -119,19 +151,30 @@ def test_hybcomm_uses_sfb_where_it_is_cheaper_and_bytes_match_the_cost_model():
                 assert chosen is paper, f"{name}: chose {chosen}, Algorithm 1 says {paper}"
             # (the three-way choice follows the link measured at start-up: on loopback a round of
             # messages costs more than these layers' bytes, so it may differ; its bytes are checked)
-            predicted[chosen.value] = predicted.get(chosen.value, 0.0) + getattr(cost, floats_of[chosen.value]) * 4 * steps
+            predicted[chosen.value] = (
+                predicted.get(chosen.value, 0.0) + getattr(cost, floats_of[chosen.value]) * 4 * steps
+            )
         if label == "paper":
             assert "sfb" in schemes.values() and "ps" in schemes.values()
         for scheme, floats in predicted.items():
             measured = sum(res[r][label]["bytes"].get(scheme, 0) for r in range(workers)) / workers
-            assert abs(measured - floats) <= 0.05 * floats, f"{label} {scheme}: {measured} bytes on the wire per rank, cost model {floats}"
+            assert abs(measured - floats) <= 0.05 * floats, (
+                f"{label} {scheme}: {measured} bytes on the wire per rank, cost model {floats}"
+            )
     ps_only = sum(res[r]["wfbp"]["bytes"]["ps"] for r in range(workers)) / workers
     ps_predicted = sum(layer_cost(s, workers, workers).ps_combined for s in shapes) * 4 * steps
     assert abs(ps_only - ps_predicted) <= 0.05 * ps_predicted
 
 
 @pytest.mark.parametrize(
-    "mode,staleness,merge,early", [("poseidon", 0, None, False), ("wfbp", 1, None, False), ("poseidon", 0, "single", False), ("poseidon", 0, None, True), ("wfbp", 0, None, True)]
+    "mode,staleness,merge,early",
+    [
+        ("poseidon", 0, None, False),
+        ("wfbp", 1, None, False),
+        ("poseidon", 0, "single", False),
+        ("poseidon", 0, None, True),
+        ("wfbp", 0, None, True),
+    ],
 )
 def test_frozen_tied_unused_params_any_optimizer_and_scheduler(mode, staleness, merge, early):
     from .support.trainworkers import tricky_single, tricky_worker
@@ -146,7 +189,10 @@ def test_frozen_tied_unused_params_any_optimizer_and_scheduler(mode, staleness, 
         for a, ref in zip(params, tricky_single(seed, workers, steps, size)):
             np.testing.assert_allclose(a, ref, rtol=1e-5, atol=1e-6)
         if mode == "poseidon":
-            assert schemes["shared"] == "sfb" and schemes["head"] in ("ps", "allreduce")  # a tied weight never goes by SFB
+            assert schemes["shared"] == "sfb" and schemes["head"] in (
+                "ps",
+                "allreduce",
+            )  # a tied weight never goes by SFB
 
 
 def test_the_gpu_path_s_host_buffers_keep_every_scheme_equal_to_one_process():
@@ -170,7 +216,9 @@ def test_the_gpu_path_s_host_buffers_keep_every_scheme_equal_to_one_process():
         all_sfb = set(res[0][label]["schemes"].values()) == {"sfb"}  # SFB's kernel writes the tensors
         assert to_host > 0 and (to_device > 0 or all_sfb), f"{label}: nothing went through the host buffers"
         for r in range(1, workers):
-            assert all(a.tobytes() == b.tobytes() for a, b in zip(res[0][label]["params"], res[r][label]["params"])), f"{label}: rank {r} differs"
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(res[0][label]["params"], res[r][label]["params"])), (
+                f"{label}: rank {r} differs"
+            )
         if label != "ssp":
             for a, ref in zip(res[0][label]["params"], reference):
                 np.testing.assert_allclose(a, ref, rtol=1e-5, atol=1e-6, err_msg=label)
@@ -203,7 +251,9 @@ def test_layer_syncs_overlap_the_backward_in_wfbp_and_not_in_naive(tmp_path):
         assert len(computes) == 3
         # In some step a sync began while that step's backward was still running (which step
         # does is up to the machine's load; that one does is what WFBP promises).
-        assert any(c["ts"] <= e["ts"] < c["ts"] + c["dur"] for c in computes for e in syncs), f"rank {rank}: no sync overlapped a backward"
+        assert any(c["ts"] <= e["ts"] < c["ts"] + c["dur"] for c in computes for e in syncs), (
+            f"rank {rank}: no sync overlapped a backward"
+        )
     assert max(naive[0][0]) == 0.0
 
 
@@ -226,7 +276,9 @@ def test_merged_and_unmerged_syncs_give_bitwise_equal_results_and_one_plan_every
     base = res[0]["wfbp"]["params"]
     for label in ("single", "alg1", "optimal", "trial", "best", "single-spread", "alg1-spread", "two"):
         for r in range(3):
-            assert all(a.tobytes() == b.tobytes() for a, b in zip(base, res[r][label]["params"])), f"{label} on rank {r}"
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(base, res[r][label]["params"])), (
+                f"{label} on rank {r}"
+            )
     assert len(res[0]["single"]["groups"]) == 1
     # The model's ~1 KB in one group: on one shard by default (under two runs of 64 KiB), on all
     # three within an item of each other when spread.
@@ -242,7 +294,9 @@ def test_merged_and_unmerged_syncs_give_bitwise_equal_results_and_one_plan_every
     # The same plan on trial (warm-up step 0, trial steps 1-2, the verdict's groups at step 3):
     # whichever way the machine's load judged it, every rank took the same verdict and groups.
     verdicts = [res[r]["trial"]["info"]["trial"] for r in range(3)]
-    assert all(v == verdicts[0] for v in verdicts) and {"kept", "unmerged_s", "planned_s", "planner"} <= set(verdicts[0])
+    assert all(v == verdicts[0] for v in verdicts) and {"kept", "unmerged_s", "planned_s", "planner"} <= set(
+        verdicts[0]
+    )
     assert len({json_groups(res[r]["trial"]["groups"]) for r in range(3)}) == 1
     trial = res[0]["trial"]
     if verdicts[0]["kept"]:
@@ -253,10 +307,14 @@ def test_merged_and_unmerged_syncs_give_bitwise_equal_results_and_one_plan_every
     # ``best`` (warm-up step 0, each distinct plan one trial step, the verdict's groups at step 3):
     # every rank kept the same one of the planners' plans, or none, and it is what runs.
     verdicts = [res[r]["best"]["info"]["trial"] for r in range(3)]
-    assert all(v == verdicts[0] for v in verdicts) and len({json_groups(res[r]["best"]["groups"]) for r in range(3)}) == 1
+    assert (
+        all(v == verdicts[0] for v in verdicts) and len({json_groups(res[r]["best"]["groups"]) for r in range(3)}) == 1
+    )
     best = res[0]["best"]
     candidates = [c["groups"] for c in best["info"]["candidates"]]
-    assert list(verdicts[0]["tried"]) == [c["planner"] for c in best["info"]["candidates"] if any(len(g) > 1 for g in c["groups"])]
+    assert list(verdicts[0]["tried"]) == [
+        c["planner"] for c in best["info"]["candidates"] if any(len(g) > 1 for g in c["groups"])
+    ]
     if verdicts[0]["kept"]:
         assert best["groups"] in candidates and best["info"]["planner"] == verdicts[0]["planner"]
     else:
@@ -294,7 +352,10 @@ def test_the_bandwidth_budget_paces_every_step():
 def test_merging_around_a_factored_layer():
     # Conv, conv, an FC by Project Adam, an FC by PS: the PS layers merge across the Adam one.
     spec = {"kind": "cnn", "channels": 2, "side": 5, "hidden": [16], "classes": 3}
-    runs = [("wfbp", "wfbp", None), ("merged", "poseidon", {"5": "adam", "7": "ps"}, "single", {"hybcomm": ("ps", "sfb")})]
+    runs = [
+        ("wfbp", "wfbp", None),
+        ("merged", "poseidon", {"5": "adam", "7": "ps"}, "single", {"hybcomm": ("ps", "sfb")}),
+    ]
     res = run_workers(2, train_worker, spec, 4, runs, 3, 4, {}, timeout=120)
     assert res[0]["merged"]["groups"] == [["0", "2", "7"]]
     for a, b in zip(res[0]["wfbp"]["params"], res[0]["merged"]["params"]):
@@ -345,13 +406,17 @@ def test_a_killed_run_resumes_from_its_checkpoint_bitwise_equal_to_an_uninterrup
 
     steps, seed = 6, 4
     variants = ["worker", "server"]
-    clean = run_workers(2, checkpoint_worker, [(v, v, str(tmp_path / f"clean-{v}"), None) for v in variants], seed, steps, timeout=180)
+    clean = run_workers(
+        2, checkpoint_worker, [(v, v, str(tmp_path / f"clean-{v}"), None) for v in variants], seed, steps, timeout=180
+    )
     for v in variants:
         directory = str(tmp_path / f"crash-{v}")
         procs, out = start_workers(2, checkpoint_worker, [(v, v, directory, 4)], seed, steps)
         collect(procs, out, timeout=120, expect_errors=True)  # killed after step 4: saved at clocks 2 and 4
         assert [p.exitcode for p in procs] != [0, 0]
-    resumed = run_workers(2, checkpoint_worker, [(v, v, str(tmp_path / f"crash-{v}"), None) for v in variants], seed, steps, timeout=180)
+    resumed = run_workers(
+        2, checkpoint_worker, [(v, v, str(tmp_path / f"crash-{v}"), None) for v in variants], seed, steps, timeout=180
+    )
     for v in variants:
         for r in range(2):
             assert resumed[r][v]["start"] == 4

@@ -79,9 +79,7 @@ async def test_wrong_protocol_version_is_refused_on_both_ends():
 
 async def test_listener_refuses_a_client_of_another_version():
     received = []
-    listener = await listen(
-        "127.0.0.1", 0, rank=1, config=net_config(), on_connection=received.append, protocol=3
-    )
+    listener = await listen("127.0.0.1", 0, rank=1, config=net_config(), on_connection=received.append, protocol=3)
     try:
         with child(connector, listener.address[1], TOKEN, 1) as (proc, pipe, _):
             async with asyncio.timeout(30):
@@ -124,6 +122,7 @@ async def _listener_with_log():
 async def test_data_before_handshake_is_refused_and_never_processed():
     listener, conns = await _listener_with_log()
     try:
+
         def attack():
             with socket.create_connection(listener.address, timeout=10) as sock:
                 sock.sendall(encode_frame(Kind.PUSH, b"\x00" * 64, rank=0, key=1, clock=0))
@@ -137,6 +136,7 @@ async def test_data_before_handshake_is_refused_and_never_processed():
         frame = dec.next_frame()
         assert frame.kind is Kind.ERROR and b"unexpected PUSH frame" in bytes(frame.payload)
         assert isinstance(listener.refused[0], HandshakeError) and conns == []
+
         # An unauthenticated peer cannot make us buffer more than a handshake message.
         def oversized():
             with socket.create_connection(listener.address, timeout=10) as sock:
@@ -146,9 +146,7 @@ async def test_data_before_handshake_is_refused_and_never_processed():
         async with asyncio.timeout(20):
             await asyncio.to_thread(oversized)
         await listener.wait_refused(2, timeout=30)
-        assert isinstance(listener.refused[1], FrameError) and "exceeds the maximum of 4096" in str(
-            listener.refused[1]
-        )
+        assert isinstance(listener.refused[1], FrameError) and "exceeds the maximum of 4096" in str(listener.refused[1])
     finally:
         await listener.close()
 
@@ -156,6 +154,7 @@ async def test_data_before_handshake_is_refused_and_never_processed():
 async def test_recorded_handshake_cannot_be_replayed():
     listener, conns = await _listener_with_log()
     try:
+
         def record_then_replay():
             hs = Handshake(Role.CLIENT, 0, TOKEN)
             sent = []
@@ -197,6 +196,7 @@ async def test_recorded_handshake_cannot_be_replayed():
 async def test_malformed_frame_ends_one_connection_and_the_listener_keeps_serving():
     listener, conns = await _listener_with_log()
     try:
+
         def misbehave():
             with socket.create_connection(listener.address, timeout=10) as sock:
                 _raw_handshake(sock, Handshake(Role.CLIENT, 5, TOKEN))

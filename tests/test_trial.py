@@ -112,7 +112,11 @@ def test_every_rank_reaches_the_same_verdict_from_the_agreed_figures(ranks, plan
     figures = {rank: trial.figures() for rank, trial in controllers.items()}
     shuffled = dict(reversed(list(figures.items())))  # the exchange's order is not the ranks'
     verdicts = [trial.judge(figures if rank % 2 else shuffled) for rank, trial in controllers.items()]
-    assert all((v.kept, v.trial.plan, v.rebuild, v.figures) == (verdicts[0].kept, verdicts[0].trial.plan, verdicts[0].rebuild, verdicts[0].figures) for v in verdicts)
+    assert all(
+        (v.kept, v.trial.plan, v.rebuild, v.figures)
+        == (verdicts[0].kept, verdicts[0].trial.plan, verdicts[0].rebuild, verdicts[0].figures)
+        for v in verdicts
+    )
 
 
 def test_an_illegal_transition_names_the_event_and_the_phase():

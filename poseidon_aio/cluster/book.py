@@ -151,10 +151,19 @@ class InformationBook:
         self.factored = tuple(tuple(self.manifest.index(n) for n in layer) for layer in (factored or ()))
         for layer in self.factored:
             w = self.manifest[layer[0]]
-            if len(w.shape) != 2 or w.dtype != "float32" or (len(layer) == 2 and self.manifest[layer[1]].shape != (w.shape[0],)):
-                raise ConfigError(f"factored layer {[self.manifest[i].name for i in layer]} must be a float32 MxN weight and an M bias")
+            if (
+                len(w.shape) != 2
+                or w.dtype != "float32"
+                or (len(layer) == 2 and self.manifest[layer[1]].shape != (w.shape[0],))
+            ):
+                raise ConfigError(
+                    f"factored layer {[self.manifest[i].name for i in layer]} "
+                    "must be a float32 MxN weight and an M bias"
+                )
         self._run_starts: set = set()  # (param, offset) where a run of a spread merge group begins
-        self.groups = self._groups(list(groups or ()) + [[self.manifest[i].name for i in layer] for layer in self.factored])
+        self.groups = self._groups(
+            list(groups or ()) + [[self.manifest[i].name for i in layer] for layer in self.factored]
+        )
         self._group_index = {p: g for g, params in enumerate(self.groups) if len(params) > 1 for p in params}
         self._whole = {p for layer in self.factored for p in layer}
         self.pairs = self._partition()
@@ -166,7 +175,12 @@ class InformationBook:
         # Looked up for every layer of every step: the book never changes once built, so each
         # answer is computed once (bounded by the layers and buckets the trainer asks about).
         self._messages_of: dict = {}
-        self._slice_plan = {m.id: tuple((self.pairs[k].param, self.pairs[k].offset, self.pairs[k].offset + self.pairs[k].numel) for k in m.keys) for m in self.messages}
+        self._slice_plan = {
+            m.id: tuple(
+                (self.pairs[k].param, self.pairs[k].offset, self.pairs[k].offset + self.pairs[k].numel) for k in m.keys
+            )
+            for m in self.messages
+        }
         self._digest = hashlib.sha256(self._canonical().encode()).hexdigest()
 
     # -- construction ---------------------------------------------------------------------------

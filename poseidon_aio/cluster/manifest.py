@@ -110,5 +110,8 @@ def first_difference(a: Sequence[ParamSpec], b: Sequence[ParamSpec]) -> Optional
             return f"parameter #{i}: {x.describe()} vs {y.describe()}"
     if len(a) != len(b):
         longer, extra = (a, "first") if len(a) > len(b) else (b, "second")
-        return f"the {extra} has {abs(len(a) - len(b))} more parameter(s), starting at {longer[min(len(a), len(b))].describe()}"
+        return (
+            f"the {extra} has {abs(len(a) - len(b))} more parameter(s), "
+            f"starting at {longer[min(len(a), len(b))].describe()}"
+        )
     return None

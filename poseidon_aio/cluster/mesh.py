@@ -83,13 +83,14 @@ class Mesh:
                 return
             joined.set_exception(
                 type(error)(
-                    f"rank {env.rank}: rank {rank} (from {conn.peer_address}) could not join the "
-                    f"worker mesh: {error}"
+                    f"rank {env.rank}: rank {rank} (from {conn.peer_address}) could not join the worker mesh: {error}"
                 )
             )
 
         host = advertise_host(env.master_addr)
-        self._listener = await listen(host, 0, rank=env.rank, config=net, on_connection=accept, process_shaper=process_shaper)
+        self._listener = await listen(
+            host, 0, rank=env.rank, config=net, on_connection=accept, process_shaper=process_shaper
+        )
         self._listener.on_refused = refused
         try:
             await rdzv.publish(f"addr/mesh/{env.rank}", f"{host}:{self._listener.address[1]}")
@@ -98,7 +99,9 @@ class Mesh:
                     break  # a refusal: it is raised below
                 h, p = (await rdzv.read(f"addr/mesh/{peer}", who=f"rank {peer}")).rsplit(":", 1)
                 try:
-                    self.peers[peer] = await connect(h, int(p), rank=env.rank, config=net, process_shaper=process_shaper)
+                    self.peers[peer] = await connect(
+                        h, int(p), rank=env.rank, config=net, process_shaper=process_shaper
+                    )
                 except (ConnectionLost, PeerTimeout):
                     # A peer that gave up closes its listener: its reason beats our "refused".
                     await rdzv.check_aborted(f"dialling rank {peer}'s worker mesh at {h}:{p}")

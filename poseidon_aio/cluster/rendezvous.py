@@ -61,7 +61,6 @@ _ABORT_TIMEOUT = 2.0
 _REASON_MAX = 500
 
 
-
 @dataclass
 class StartupConfig:
     """How long start-up waits for the other ranks.
@@ -258,8 +257,12 @@ class Rendezvous:
 
         def make():
             return tcpstore(
-                env.master_addr, env.master_port, env.world_size, is_master=True,
-                timeout=timedelta(seconds=max(0.001, deadline - time.monotonic())), wait_for_workers=False,
+                env.master_addr,
+                env.master_port,
+                env.world_size,
+                is_master=True,
+                timeout=timedelta(seconds=max(0.001, deadline - time.monotonic())),
+                wait_for_workers=False,
             )
 
         try:
@@ -268,7 +271,8 @@ class Rendezvous:
             raise StoreUnavailable(
                 f"rank 0 could not start the rendezvous store on port {env.master_port} within "
                 f"{self.timeout} s: is this machine overloaded?",
-                address=self.address, reason="no answer",
+                address=self.address,
+                reason="no answer",
             ) from None
         except (RuntimeError, OSError) as exc:
             raise ConfigError(
@@ -298,14 +302,20 @@ class Rendezvous:
 
                 def make():
                     return tcpstore(
-                        host, port, env.world_size, is_master=False,
-                        timeout=timedelta(seconds=max(0.001, deadline - time.monotonic())), wait_for_workers=False,
+                        host,
+                        port,
+                        env.world_size,
+                        is_master=False,
+                        timeout=timedelta(seconds=max(0.001, deadline - time.monotonic())),
+                        wait_for_workers=False,
                     )
 
                 try:
                     return await _in_daemon_thread(make, timeout=max(0.0, deadline - time.monotonic()))
                 except _Overdue:
-                    raise self._unavailable("not a rendezvous store", "it accepted the connection but never answered") from None
+                    raise self._unavailable(
+                        "not a rendezvous store", "it accepted the connection but never answered"
+                    ) from None
                 except (RuntimeError, OSError) as exc:
                     last = ("not a rendezvous store", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
                 pause = _STORE_RETRY_PAUSE
@@ -467,7 +477,8 @@ class Rendezvous:
             rank, reason = -1, text
         return StartupAborted(
             f"rank {self.env.rank} stopped {waiting_for}: rank {rank} failed during start-up: {reason}",
-            rank=rank, reason=reason,
+            rank=rank,
+            reason=reason,
         )
 
     async def abort(self, error: BaseException) -> None:
@@ -490,7 +501,9 @@ class Rendezvous:
             reason = reason[: _REASON_MAX - 3] + "..."
         text = json.dumps({"rank": self.env.rank, "reason": reason})
         try:
-            await self._call("publishing an abort", self._store.compare_set, self._abort_key, "", text, timeout=_ABORT_TIMEOUT)
+            await self._call(
+                "publishing an abort", self._store.compare_set, self._abort_key, "", text, timeout=_ABORT_TIMEOUT
+            )
         except PoseidonError:
             pass  # nobody can hear it; every other rank still has its own deadline
 

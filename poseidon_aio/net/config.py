@@ -129,6 +129,4 @@ class NetConfig:
                 "connection reaches its budget, or a slow consumer ends healthy connections"
             )
         if self.max_pending_handshakes < 1:
-            raise ConfigError(
-                f"NetConfig.max_pending_handshakes must be >= 1, got {self.max_pending_handshakes}"
-            )
+            raise ConfigError(f"NetConfig.max_pending_handshakes must be >= 1, got {self.max_pending_handshakes}")

@@ -415,9 +415,7 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
             self._fail(RemoteProtocolError(f"{self.where} reported an error: {_error_text(frame)}"), "abort")
             return
         if kind in _HANDSHAKE_KINDS:
-            self._fail(
-                RemoteProtocolError(f"{self.where} sent {kind.name} after the handshake"), "error"
-            )
+            self._fail(RemoteProtocolError(f"{self.where} sent {kind.name} after the handshake"), "error")
             return
         self._dispatch(frame)
 

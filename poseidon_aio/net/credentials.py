@@ -94,14 +94,30 @@ def self_signed(directory: str, *, days: int = 7) -> TLSConfig:
     """
     openssl = shutil.which("openssl")
     if openssl is None:
-        raise ConfigError("--tls needs the openssl command to make a certificate; install it or set POSEIDON_TLS_CERT/KEY")
+        raise ConfigError(
+            "--tls needs the openssl command to make a certificate; install it or set POSEIDON_TLS_CERT/KEY"
+        )
     where = Path(directory)
     where.mkdir(mode=0o700, parents=True, exist_ok=True)
     cert, key = where / "cert.pem", where / "key.pem"
     # ECDSA P-256: a 256-bit key is generated in milliseconds, RSA-2048 takes ~100 ms or more.
     command = [
-        openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-days", str(days), "-subj", "/CN=poseidon-aio", "-keyout", str(key), "-out", str(cert),
+        openssl,
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-days",
+        str(days),
+        "-subj",
+        "/CN=poseidon-aio",
+        "-keyout",
+        str(key),
+        "-out",
+        str(cert),
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     if done.returncode != 0:

@@ -118,7 +118,9 @@ class Endpoint:
         ident = (Kind(kind), int(key), int(clock))
         fut = self._loop.create_future()
         if ident in self._expected:
-            raise LocalProtocolError(f"frame {ident[0].name} key {key} clock {clock} from {self.where} is already expected")
+            raise LocalProtocolError(
+                f"frame {ident[0].name} key {key} clock {clock} from {self.where} is already expected"
+            )
         # A frame that arrived before the link ended is still delivered (a peer may send its last
         # frame and say GOODBYE before we ask for it).
         early = self._claim_from_inbox(ident)

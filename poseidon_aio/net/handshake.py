@@ -70,9 +70,7 @@ _ERRORS = {"auth": AuthenticationError, "version": VersionMismatch, "protocol": 
 
 
 def _proof(token: bytes, label: str, nonce_c: bytes, nonce_s: bytes, rank_c: int, rank_s: int) -> bytes:
-    msg = b"|".join(
-        [f"poseidon-aio/{label}".encode(), nonce_c, nonce_s, str(rank_c).encode(), str(rank_s).encode()]
-    )
+    msg = b"|".join([f"poseidon-aio/{label}".encode(), nonce_c, nonce_s, str(rank_c).encode(), str(rank_s).encode()])
     return hmac.new(token, msg, hashlib.sha256).digest()
 
 

@@ -93,8 +93,7 @@ class Listener:
                 await entry[1]
         except TimeoutError:
             raise PeerTimeout(
-                f"rank {self.rank}'s listener refused {self.refused_total} handshakes within {timeout} s, "
-                f"not {count}"
+                f"rank {self.rank}'s listener refused {self.refused_total} handshakes within {timeout} s, not {count}"
             ) from None
         finally:
             self._refusal_waiters.remove(entry)

@@ -81,7 +81,9 @@ class LocalLink(Endpoint):
             raise self._lost()
         views = payload_views(payload)
         length = sum(v.nbytes for v in views)
-        encode_header(kind, rank=self.rank, key=key, clock=clock, length=length, dtype=dtype, flags=flags)  # range checks
+        encode_header(
+            kind, rank=self.rank, key=key, clock=clock, length=length, dtype=dtype, flags=flags
+        )  # range checks
         kind = kind if type(kind) is Kind else Kind(kind)  # the enum's call is dear on a hot path
         dtype = dtype if type(dtype) is DType else DType(dtype)
         header = Header(kind, self.rank, key, clock, length, dtype, flags)

@@ -164,7 +164,9 @@ class Shaper:
             return TokenBucket(rate, config.burst) if rate else None
 
         egress = (
-            TokenBucket(config.egress_rate, config.burst, message_cost=config.message_cost, costed_kinds=config.costed_kinds)
+            TokenBucket(
+                config.egress_rate, config.burst, message_cost=config.message_cost, costed_kinds=config.costed_kinds
+            )
             if config.egress_rate
             else None
         )

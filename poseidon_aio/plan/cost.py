@@ -203,7 +203,16 @@ class Link:
         return cls(alpha, 1.0 / bytes_per_s)
 
 
-def predicted_time(layer: LayerShape, scheme: Scheme, workers: int, servers: int, link: Link, *, chunk_bytes: int = 2 << 20, itemsize: int = 4) -> float:
+def predicted_time(
+    layer: LayerShape,
+    scheme: Scheme,
+    workers: int,
+    servers: int,
+    link: Link,
+    *,
+    chunk_bytes: int = 2 << 20,
+    itemsize: int = 4,
+) -> float:
     """Seconds ``scheme`` takes to sync ``layer`` on the busiest worker link (inf if it cannot).
 
     PS: a push and a reply; the layer's keys occupy ``s = min(P2, ceil(bytes / chunk))`` shards,

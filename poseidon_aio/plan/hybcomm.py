@@ -12,7 +12,17 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from ..errors import ConfigError
-from .cost import HYBCOMM_SCHEMES, LOSSY_SCHEMES, PAPER_SCHEMES, LayerKind, LayerShape, Link, Scheme, best_scheme, hybcomm_choice
+from .cost import (
+    HYBCOMM_SCHEMES,
+    LOSSY_SCHEMES,
+    PAPER_SCHEMES,
+    LayerKind,
+    LayerShape,
+    Link,
+    Scheme,
+    best_scheme,
+    hybcomm_choice,
+)
 from .lossy import CompressionConfig, unsuited
 
 
@@ -88,7 +98,8 @@ def choose_schemes(
                 )
             if scheme is Scheme.ROWS and layer.shape.kind is not LayerKind.EMBEDDING:
                 raise ConfigError(
-                    f"layer {layer.name} ({layer.shape.kind.value}) cannot go by rows: only an unshared float32 nn.Embedding or "
+                    f"layer {layer.name} ({layer.shape.kind.value}) cannot go by rows: "
+                    "only an unshared float32 nn.Embedding or "
                     "nn.EmbeddingBag has a gradient that is zero but for its batch's tokens"
                 )
             if scheme in LOSSY_SCHEMES:
@@ -101,17 +112,30 @@ def choose_schemes(
             scheme = best_scheme(layer.shape.with_rows(rows[layer.name]), workers, shards) if factored else Scheme.PS
         elif mode is Mode.POSEIDON and workers > 1:
             # SFB needs factors (a factorable layer) and K (a layer the planning forward called).
-            usable = [c for c in candidates if not Scheme(c).captures_factors or (layer.factorable and rows.get(layer.name))]
+            usable = [
+                c for c in candidates if not Scheme(c).captures_factors or (layer.factorable and rows.get(layer.name))
+            ]
             usable = usable or [Scheme.PS]
-            scheme = hybcomm_choice(layer.shape.with_rows(rows.get(layer.name, 0)), workers, shards, link=link, candidates=usable, chunk_bytes=chunk_bytes)
+            scheme = hybcomm_choice(
+                layer.shape.with_rows(rows.get(layer.name, 0)),
+                workers,
+                shards,
+                link=link,
+                candidates=usable,
+                chunk_bytes=chunk_bytes,
+            )
         else:
             scheme = Scheme.PS
         if want is None and compression is not None and mode is Mode.POSEIDON and workers > 1:
-            weighing = compression.weigh(layer, rows.get(layer.name, 0), scheme, candidates, workers, shards, link, chunk_bytes)
+            weighing = compression.weigh(
+                layer, rows.get(layer.name, 0), scheme, candidates, workers, shards, link, chunk_bytes
+            )
             scheme = weighing.choice
             if report is not None:
                 report[layer.name] = weighing
         if mode is not Mode.POSEIDON and scheme is not Scheme.PS:
-            raise ConfigError(f"mode {mode.value!r} syncs every layer by PS; use mode='poseidon' for {scheme.value} overrides")
+            raise ConfigError(
+                f"mode {mode.value!r} syncs every layer by PS; use mode='poseidon' for {scheme.value} overrides"
+            )
         out[layer.name] = scheme
     return out

@@ -101,7 +101,9 @@ class CompressionConfig:
         try:
             self.method = Compression(self.method)
         except ValueError:
-            raise ConfigError(f"compression must be one of {[c.value for c in Compression]} or None, got {self.method!r}") from None
+            raise ConfigError(
+                f"compression must be one of {[c.value for c in Compression]} or None, got {self.method!r}"
+            ) from None
         if not (isinstance(self.rank, int) and self.rank >= 1):
             raise ConfigError(f"CompressionConfig.rank (PowerSGD's rank) must be an integer >= 1, got {self.rank!r}")
         if not (0.0 < self.ratio <= 1.0):
@@ -113,7 +115,9 @@ class CompressionConfig:
         if self.compute is not None:
             known = {s.value for s in LOSSY_SCHEMES}
             if not set(self.compute) <= known or not all(len(ab) == 2 and min(ab) >= 0 for ab in self.compute.values()):
-                raise ConfigError(f"CompressionConfig.compute maps {sorted(known)} to (a >= 0, b >= 0) seconds, got {self.compute!r}")
+                raise ConfigError(
+                    f"CompressionConfig.compute maps {sorted(known)} to (a >= 0, b >= 0) seconds, got {self.compute!r}"
+                )
             self.compute = {k: (float(a), float(b)) for k, (a, b) in self.compute.items()}
 
     @classmethod
@@ -136,7 +140,17 @@ class CompressionConfig:
         """What every rank must agree on, as JSON (its digest is checked at start-up)."""
         link = None if self.link is None else [self.link.alpha, self.link.beta]
         compute = None if self.compute is None else {k: list(v) for k, v in self.compute.items()}
-        return json.dumps({"method": self.method.value, "rank": self.rank, "ratio": self.ratio, "min_elements": self.min_elements, "link": link, "compute": compute}, sort_keys=True)
+        return json.dumps(
+            {
+                "method": self.method.value,
+                "rank": self.rank,
+                "ratio": self.ratio,
+                "min_elements": self.min_elements,
+                "link": link,
+                "compute": compute,
+            },
+            sort_keys=True,
+        )
 
 
 # -- shapes -----------------------------------------------------------------------------------
@@ -196,7 +210,8 @@ def unsuited(layer, scheme: Scheme, config: CompressionConfig, *, forced: bool =
     size threshold or PowerSGD's compression rate.
 
     >>> from poseidon_aio.plan import LayerShape, PlanLayer
-    >>> unsuited(PlanLayer(LayerShape("bn", "other", 128, 1), False, params=((64,), (64,))), Scheme.TOPK, CompressionConfig())
+    >>> bn = PlanLayer(LayerShape("bn", "other", 128, 1), False, params=((64,), (64,)))
+    >>> unsuited(bn, Scheme.TOPK, CompressionConfig())
     'no matrix parameter (a bias, a norm)'
     """
     mats, _ = split_shapes(layer.params)
@@ -241,7 +256,9 @@ def message_bytes(shapes, scheme: Scheme, config: CompressionConfig) -> int:
     raise ConfigError(f"{scheme.value} is not a lossy scheme")
 
 
-def lossy_time(layer, scheme: Scheme, workers: int, link: Link, config: CompressionConfig, costs: ComputeCosts, rows: int = 0) -> float:
+def lossy_time(
+    layer, scheme: Scheme, workers: int, link: Link, config: CompressionConfig, costs: ComputeCosts, rows: int = 0
+) -> float:
     """Predicted seconds for lossy ``scheme`` to sync ``layer`` (the table above).
 
     A link that carries the device's seconds per FLOP (``flop``) makes the exact schemes count an
@@ -253,13 +270,32 @@ def lossy_time(layer, scheme: Scheme, workers: int, link: Link, config: Compress
     mats, vec = split_shapes(layer.params)
     d = sum(m * n for m, n in mats)
     spread = 2 * (workers - 1) / workers
-    gemm = 2.0 * rows * layer.shape.m * layer.shape.n * getattr(link, "flop", 0.0) if layer.shape.kind is LayerKind.FC else 0.0
+    gemm = (
+        2.0 * rows * layer.shape.m * layer.shape.n * getattr(link, "flop", 0.0)
+        if layer.shape.kind is LayerKind.FC
+        else 0.0
+    )
     if scheme is Scheme.FP16:
-        return 2 * link.alpha + link.beta * spread * message_bytes(layer.params, scheme, config) + costs.of(scheme, d + vec) + gemm
+        return (
+            2 * link.alpha
+            + link.beta * spread * message_bytes(layer.params, scheme, config)
+            + costs.of(scheme, d + vec)
+            + gemm
+        )
     if scheme is Scheme.POWERSGD:
-        return 4 * link.alpha + link.beta * spread * message_bytes(layer.params, scheme, config) + costs.of(scheme, d) + gemm
+        return (
+            4 * link.alpha
+            + link.beta * spread * message_bytes(layer.params, scheme, config)
+            + costs.of(scheme, d)
+            + gemm
+        )
     if scheme is Scheme.TOPK:  # all-gathered: (P - 1) payloads each way
-        return link.alpha + link.beta * (workers - 1) * message_bytes(layer.params, scheme, config) + costs.of(scheme, d) + gemm
+        return (
+            link.alpha
+            + link.beta * (workers - 1) * message_bytes(layer.params, scheme, config)
+            + costs.of(scheme, d)
+            + gemm
+        )
     raise ConfigError(f"{scheme.value} is not a lossy scheme")
 
 
@@ -284,7 +320,17 @@ class LossyPlanner:
     config: CompressionConfig
     costs: ComputeCosts = ComputeCosts()
 
-    def weigh(self, layer, rows: int, exact: Scheme, candidates, workers: int, shards: int, link: Link, chunk_bytes: int = 2 << 20) -> Weighing:
+    def weigh(
+        self,
+        layer,
+        rows: int,
+        exact: Scheme,
+        candidates,
+        workers: int,
+        shards: int,
+        link: Link,
+        chunk_bytes: int = 2 << 20,
+    ) -> Weighing:
         """Decide ``layer`` (a ``PlanLayer``) given the exact schemes' choice ``exact`` among
         ``candidates`` (the rule in this module's docstring)."""
         times = {}
@@ -300,7 +346,9 @@ class LossyPlanner:
         for scheme in self.config.schemes:
             why = unsuited(layer, scheme, self.config)
             if why is None:
-                lossy[scheme] = times[scheme.value] = lossy_time(layer, scheme, workers, link, self.config, self.costs, rows)
+                lossy[scheme] = times[scheme.value] = lossy_time(
+                    layer, scheme, workers, link, self.config, self.costs, rows
+                )
             else:
                 reasons[scheme] = why
         if self.config.method is not Compression.AUTO:
@@ -312,5 +360,15 @@ class LossyPlanner:
             return Weighing(times, exact, exact, "exact: " + "; ".join(sorted(set(reasons.values()))))
         best = min(lossy, key=lambda s: (lossy[s], LOSSY_SCHEMES.index(s)))
         if lossy[best] < exact_t:
-            return Weighing(times, exact, best, f"{best.value} predicted {lossy[best] * 1e3:.3g} ms < {exact.value} {exact_t * 1e3:.3g} ms")
-        return Weighing(times, exact, exact, f"exact: {exact.value} predicted {exact_t * 1e3:.3g} ms <= {best.value} {lossy[best] * 1e3:.3g} ms")
+            return Weighing(
+                times,
+                exact,
+                best,
+                f"{best.value} predicted {lossy[best] * 1e3:.3g} ms < {exact.value} {exact_t * 1e3:.3g} ms",
+            )
+        return Weighing(
+            times,
+            exact,
+            exact,
+            f"exact: {exact.value} predicted {exact_t * 1e3:.3g} ms <= {best.value} {lossy[best] * 1e3:.3g} ms",
+        )

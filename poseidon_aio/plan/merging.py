@@ -80,7 +80,9 @@ class MergeConfig:
             try:
                 self.kind = MergeKind(self.kind)
             except ValueError:
-                raise ConfigError(f"MergeConfig.kind must be one of {[k.value for k in MergeKind]}, got {self.kind!r}") from None
+                raise ConfigError(
+                    f"MergeConfig.kind must be one of {[k.value for k in MergeKind]}, got {self.kind!r}"
+                ) from None
         if self.after < 1:
             raise ConfigError("MergeConfig.after must be >= 1 measured step")
         if self.trial < 0:
@@ -89,7 +91,9 @@ class MergeConfig:
         try:
             first, then = (int(b) for b in self.bucket_bytes)
         except (TypeError, ValueError):
-            raise ConfigError(f"MergeConfig.bucket_bytes is (first, then) in bytes, got {self.bucket_bytes!r}") from None
+            raise ConfigError(
+                f"MergeConfig.bucket_bytes is (first, then) in bytes, got {self.bucket_bytes!r}"
+            ) from None
         if first < 1 or then < 1:
             raise ConfigError(f"MergeConfig.bucket_bytes must be positive byte counts, got {self.bucket_bytes!r}")
         self.bucket_bytes = (first, then)
@@ -101,7 +105,13 @@ class MergeConfig:
         """Whether the plan is made by the runtime after the measured steps (Algorithm 1, the
         exact planner, DDP's buckets, tapered or not, or ``best``), rather than at start
         (``single``, ``none``)."""
-        return self.kind in (MergeKind.ALGORITHM1, MergeKind.OPTIMAL, MergeKind.BEST, MergeKind.BUCKETS, MergeKind.TAPERED)
+        return self.kind in (
+            MergeKind.ALGORITHM1,
+            MergeKind.OPTIMAL,
+            MergeKind.BEST,
+            MergeKind.BUCKETS,
+            MergeKind.TAPERED,
+        )
 
 
 @dataclass
@@ -139,7 +149,12 @@ class MergePlanner:
     """
 
     def __init__(
-        self, config: MergeConfig, world: int, shards: int, scheme: Scheme = Scheme.PS, calibration: Sequence[tuple] = ()
+        self,
+        config: MergeConfig,
+        world: int,
+        shards: int,
+        scheme: Scheme = Scheme.PS,
+        calibration: Sequence[tuple] = (),
     ) -> None:
         self.config = config
         self.world = world
@@ -227,7 +242,10 @@ class MergePlanner:
         the first being ``"groups"``'s (Algorithm 1's where it is one of them); ``best`` adds one
         message of every layer (``"single"``), DDP's buckets (``"buckets"``) and those with a small
         last bucket (``"tapered"``)."""
-        median = lambda xs: float(statistics.median(xs)) if xs else 0.0  # noqa: E731
+
+        def median(xs):
+            return float(statistics.median(xs)) if xs else 0.0
+
         model = self.comm_model()
         t_b = [median(self._samples.backward.get(layer, [])) for layer in layers]
         # The warm-up sent every layer as its own message, each as the layer below began its
@@ -235,9 +253,20 @@ class MergePlanner:
         # its own messages take (mgwfbp.with_launches).
         t_b = [max(0.0, t - model.serial) for t in t_b[:-1]] + t_b[-1:]
         first, then = self.config.bucket_bytes
-        buckets = lambda *args: bucket_plan(*args, first_bytes=first, bucket_bytes=then)  # noqa: E731
-        tapered = lambda *args: tapered_plan(*args, first_bytes=first, bucket_bytes=then)  # noqa: E731
-        every = {"algorithm1": merge_plan, "optimal": optimal_plan, "single": single_plan, "buckets": buckets, "tapered": tapered}
+
+        def buckets(*args):
+            return bucket_plan(*args, first_bytes=first, bucket_bytes=then)
+
+        def tapered(*args):
+            return tapered_plan(*args, first_bytes=first, bucket_bytes=then)
+
+        every = {
+            "algorithm1": merge_plan,
+            "optimal": optimal_plan,
+            "single": single_plan,
+            "buckets": buckets,
+            "tapered": tapered,
+        }
         kinds = BEST_PLANNERS if self.config.kind in (None, MergeKind.BEST) else (self.config.kind.value,)
         planners = [(kind, every[kind]) for kind in kinds]
         candidates = []
@@ -249,7 +278,11 @@ class MergePlanner:
         lead = candidates[0]
         predicted = {"wfbp": plan.t_iter_wfbp, "single": plan.t_iter_single}  # the same for every plan
         return {
-            "groups": lead["groups"], "alpha_s": model.a, "beta_s_per_byte": model.b, "serial_s": model.serial,
-            "planner": lead["planner"], "predicted_s": {"plan": lead["predicted_s"], **predicted},
+            "groups": lead["groups"],
+            "alpha_s": model.a,
+            "beta_s_per_byte": model.b,
+            "serial_s": model.serial,
+            "planner": lead["planner"],
+            "predicted_s": {"plan": lead["predicted_s"], **predicted},
             "candidates": candidates,
         }

@@ -83,13 +83,13 @@ def timeline(t_f: float, t_b: Sequence[float], t_c: Sequence[float]) -> tuple:
     tc = [0.0] + list(t_c)
     tau_b = [0.0] * (L + 1)
     tau_b[L] = t_f
-    for l in range(L - 1, 0, -1):
-        tau_b[l] = tau_b[l + 1] + tb[l + 1]
+    for layer in range(L - 1, 0, -1):
+        tau_b[layer] = tau_b[layer + 1] + tb[layer + 1]
     tau_b[0] = tau_b[1] + tb[1]  # the end of the backward pass
     tau_c = [0.0] * (L + 1)
     tau_c[L] = tau_b[L] + tb[L]
-    for l in range(L - 1, 0, -1):
-        tau_c[l] = max(tau_c[l + 1] + tc[l + 1], tau_b[l] + tb[l])
+    for layer in range(L - 1, 0, -1):
+        tau_c[layer] = max(tau_c[layer + 1] + tc[layer + 1], tau_b[layer] + tb[layer])
     # A layer merged away (t_c = 0) still "starts" its zero-length message; the end is layer 1's.
     t_iter = max(tau_c[1] + tc[1], tau_b[0])
     return tau_b, tau_c, t_iter
@@ -110,14 +110,14 @@ class MergePlan:
 
 
 def groups_of(L: int, merged) -> tuple:
-    """Groups from a set of merged-gradient layers: ``l`` in ``merged`` joins ``l - 1``'s group."""
+    """Groups from a set of merged-gradient layers: ``layer`` in ``merged`` joins ``layer - 1``'s group."""
     out, current = [], [1]
-    for l in range(2, L + 1):
-        if l in merged:
-            current.append(l)
+    for layer in range(2, L + 1):
+        if layer in merged:
+            current.append(layer)
         else:
             out.append(tuple(current))
-            current = [l]
+            current = [layer]
     out.append(tuple(current))
     return tuple(out)
 
@@ -140,7 +140,7 @@ def iteration_time(t_f: float, t_b: Sequence[float], sizes: Sequence[float], mod
     L = len(t_b)
     t_c = [0.0] * L
     for group in groups:
-        t_c[min(group) - 1] = model.time(sum(sizes[l - 1] for l in group))
+        t_c[min(group) - 1] = model.time(sum(sizes[layer - 1] for layer in group))
     return timeline(t_f, with_launches(t_b, groups, model.serial), t_c)[2]
 
 
@@ -163,24 +163,24 @@ def merge_plan(t_f: float, t_b: Sequence[float], sizes: Sequence[float], model: 
     p = [0.0] + [float(s) for s in sizes]
     t_c = [0.0] + [model.time(s) for s in p[1:]]
     serial = model.serial
-    t_b_sent = with_launches(t_b, [(l,) for l in range(1, L + 1)], serial)  # every layer its own message
+    t_b_sent = with_launches(t_b, [(layer,) for layer in range(1, L + 1)], serial)  # every layer its own message
     merged = []
     tau_b, tau_c, _ = timeline(t_f, t_b_sent, t_c[1:])
-    for l in range(L, 1, -1):
-        if tau_b[l - 2] - tau_c[l] < model.a + serial or (serial > 0 and model.b * p[l] <= serial):
-            t_c[l] = 0.0
-            p[l - 1] += p[l]
-            p[l] = 0.0
-            t_c[l - 1] = model.time(p[l - 1])
-            t_b_sent[l - 2] -= serial  # layer l's message is no longer sent before l-1's backward
-            merged.append(l)
+    for layer in range(L, 1, -1):
+        if tau_b[layer - 2] - tau_c[layer] < model.a + serial or (serial > 0 and model.b * p[layer] <= serial):
+            t_c[layer] = 0.0
+            p[layer - 1] += p[layer]
+            p[layer] = 0.0
+            t_c[layer - 1] = model.time(p[layer - 1])
+            t_b_sent[layer - 2] -= serial  # this layer's message is no longer sent before layer - 1's backward
+            merged.append(layer)
             tau_b, tau_c, _ = timeline(t_f, t_b_sent, t_c[1:])
     groups = groups_of(L, set(merged))
     return MergePlan(
         merged=tuple(sorted(merged)),
         groups=groups,
         t_iter=iteration_time(t_f, t_b, sizes, model, groups),
-        t_iter_wfbp=iteration_time(t_f, t_b, sizes, model, tuple((l,) for l in range(1, L + 1))),
+        t_iter_wfbp=iteration_time(t_f, t_b, sizes, model, tuple((layer,) for layer in range(1, L + 1))),
         t_iter_single=iteration_time(t_f, t_b, sizes, model, (tuple(range(1, L + 1)),)),
     )
 
@@ -271,9 +271,9 @@ def ddp_buckets(sizes: Sequence[float], first_bytes: float = 1 << 20, bucket_byt
     if first_bytes <= 0 or bucket_bytes <= 0:
         raise ConfigError(f"bucket sizes must be positive, got first {first_bytes} and then {bucket_bytes} bytes")
     groups, current, filled, cap = [], [], 0.0, first_bytes
-    for l in range(len(sizes), 0, -1):
-        current.append(l)
-        filled += sizes[l - 1]
+    for layer in range(len(sizes), 0, -1):
+        current.append(layer)
+        filled += sizes[layer - 1]
         if filled >= cap:
             groups.append(tuple(sorted(current)))
             current, filled, cap = [], 0.0, bucket_bytes
@@ -283,7 +283,12 @@ def ddp_buckets(sizes: Sequence[float], first_bytes: float = 1 << 20, bucket_byt
 
 
 def bucket_plan(
-    t_f: float, t_b: Sequence[float], sizes: Sequence[float], model: CommModel, first_bytes: float = 1 << 20, bucket_bytes: float = 25 << 20
+    t_f: float,
+    t_b: Sequence[float],
+    sizes: Sequence[float],
+    model: CommModel,
+    first_bytes: float = 1 << 20,
+    bucket_bytes: float = 25 << 20,
 ) -> MergePlan:
     """DistributedDataParallel's buckets as a plan beside the planners': layers in backward order
     (from the output) fill a bucket until its bytes reach ``first_bytes`` for the first bucket,
@@ -298,7 +303,12 @@ def bucket_plan(
 
 
 def tapered_plan(
-    t_f: float, t_b: Sequence[float], sizes: Sequence[float], model: CommModel, first_bytes: float = 1 << 20, bucket_bytes: float = 25 << 20
+    t_f: float,
+    t_b: Sequence[float],
+    sizes: Sequence[float],
+    model: CommModel,
+    first_bytes: float = 1 << 20,
+    bucket_bytes: float = 25 << 20,
 ) -> MergePlan:
     """DDP's buckets (:func:`bucket_plan`) with the bucket nearest the input cut in two: its
     layers nearest the input, up to ``first_bytes`` (at least one layer), become the last message,
@@ -328,11 +338,11 @@ def tapered_plan(
 
 def _plan_of(t_f: float, t_b: Sequence[float], sizes: Sequence[float], model: CommModel, groups: tuple) -> MergePlan:
     L = len(t_b)
-    merged = tuple(sorted(l for g in groups for l in g[1:]))
+    merged = tuple(sorted(layer for g in groups for layer in g[1:]))
     return MergePlan(
         merged=merged,
         groups=tuple(groups),
         t_iter=iteration_time(t_f, t_b, sizes, model, groups),
-        t_iter_wfbp=iteration_time(t_f, t_b, sizes, model, tuple((l,) for l in range(1, L + 1))),
+        t_iter_wfbp=iteration_time(t_f, t_b, sizes, model, tuple((layer,) for layer in range(1, L + 1))),
         t_iter_single=iteration_time(t_f, t_b, sizes, model, (tuple(range(1, L + 1)),)),
     )

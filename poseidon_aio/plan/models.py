@@ -82,7 +82,9 @@ class Trace(tuple):
     batch: int
     leaves: tuple
 
-    def __new__(cls, layers: Sequence[TraceLayer], *, model: str, batch: int, leaves: Sequence[Sequence[str]]) -> "Trace":
+    def __new__(
+        cls, layers: Sequence[TraceLayer], *, model: str, batch: int, leaves: Sequence[Sequence[str]]
+    ) -> "Trace":
         self = super().__new__(cls, (TraceLayer(*layer) for layer in layers))
         if len(leaves) != len(self) or any(len(names) != len(layer.shapes) for names, layer in zip(leaves, self)):
             raise ConfigError(f"trace {model!r}: every parameter of every layer needs a name")
@@ -107,7 +109,9 @@ class Trace(tuple):
     def manifest(self, layers: Sequence[int] = ()) -> Manifest:
         """The parameters of ``layers`` (all by default), in the given order, as a manifest."""
         chosen = layers if layers else range(len(self))
-        return Manifest(ParamSpec(name, shape) for i in chosen for name, shape in zip(self.param_names(i), self[i].shapes))
+        return Manifest(
+            ParamSpec(name, shape) for i in chosen for name, shape in zip(self.param_names(i), self[i].shapes)
+        )
 
 
 class _Net:
@@ -124,7 +128,9 @@ class _Net:
 
     def bn(self, name: str, channels: int, out) -> None:
         oh, ow = (out, out) if isinstance(out, int) else out
-        self.layers.append((name, (("weight", (channels,)), ("bias", (channels,))), BN_FLOPS_PER_ELEMENT * channels * oh * ow))
+        self.layers.append(
+            (name, (("weight", (channels,)), ("bias", (channels,))), BN_FLOPS_PER_ELEMENT * channels * oh * ow)
+        )
 
     def fc(self, name: str, n_in: int, n_out: int) -> None:
         self.layers.append((name, (("weight", (n_out, n_in)), ("bias", (n_out,))), 2 * n_in * n_out))
@@ -305,7 +311,15 @@ _MODELS: Dict[str, Callable[[], list]] = {
 }
 
 # The batch per worker each model is trained with in ATC'17 (GoogLeNet 128, the others 32).
-PAPER_BATCH = {"vgg19": 32, "vgg19_22k": 32, "alexnet": 32, "googlenet": 128, "inception_v3": 32, "resnet50": 32, "resnet152": 32}
+PAPER_BATCH = {
+    "vgg19": 32,
+    "vgg19_22k": 32,
+    "alexnet": 32,
+    "googlenet": 128,
+    "inception_v3": 32,
+    "resnet50": 32,
+    "resnet152": 32,
+}
 
 
 def _manifest(layers: list) -> Manifest:
@@ -395,4 +409,9 @@ def trace_of(model: str, layers: Sequence[Tuple[str, Sequence[tuple], float]], b
     'fc.bias'
     """
     leaves = [["weight", "bias", *(f"p{i}" for i in range(2, len(shapes)))][: len(shapes)] for _, shapes, _ in layers]
-    return Trace([TraceLayer(n, tuple(tuple(s) for s in shapes), float(f)) for n, shapes, f in layers], model=model, batch=batch, leaves=leaves)
+    return Trace(
+        [TraceLayer(n, tuple(tuple(s) for s in shapes), float(f)) for n, shapes, f in layers],
+        model=model,
+        batch=batch,
+        leaves=leaves,
+    )

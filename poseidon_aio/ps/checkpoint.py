@@ -92,7 +92,9 @@ def read(root: str, shard: int, clock: int, digest: str) -> dict:
         info = json.loads(meta.read_text())
         blob = meta.with_suffix(".npz").read_bytes()
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"shard {shard} has no readable checkpoint at clock {clock} in {meta.parent}: {exc}") from None
+        raise CheckpointError(
+            f"shard {shard} has no readable checkpoint at clock {clock} in {meta.parent}: {exc}"
+        ) from None
     if info.get("book") != digest:
         raise CheckpointError(
             f"checkpoint {meta} was written for another model or cluster shape "

@@ -79,7 +79,23 @@ class _Sync:
     layer per step than awaiting each part.
     """
 
-    __slots__ = ("client", "messages", "clock", "what", "future", "waits", "tasks", "scatter", "keep", "left", "timer", "sent", "received", "remote_sent", "remote_received")
+    __slots__ = (
+        "client",
+        "messages",
+        "clock",
+        "what",
+        "future",
+        "waits",
+        "tasks",
+        "scatter",
+        "keep",
+        "left",
+        "timer",
+        "sent",
+        "received",
+        "remote_sent",
+        "remote_received",
+    )
 
     def __init__(self, client: "PSClient", messages, clock: int, what: str) -> None:
         self.client = client
@@ -181,7 +197,15 @@ class _Sync:
         client, n = self.client, len(self.messages)
         client._count(self.clock, n)
         self.future.set_result(
-            PushResult(self.clock, n, self.sent, self.received, sorted(client.dropped.get(self.clock, ())), self.remote_sent, self.remote_received)
+            PushResult(
+                self.clock,
+                n,
+                self.sent,
+                self.received,
+                sorted(client.dropped.get(self.clock, ())),
+                self.remote_sent,
+                self.remote_received,
+            )
         )
 
     def _cleanup(self) -> None:
@@ -236,7 +260,12 @@ class PSClient:
     # -- pushes -----------------------------------------------------------------------------
 
     def push(
-        self, params: Sequence[int], grads: Sequence[np.ndarray], out: Sequence[np.ndarray], clock: int, priority: int = 0
+        self,
+        params: Sequence[int],
+        grads: Sequence[np.ndarray],
+        out: Sequence[np.ndarray],
+        clock: int,
+        priority: int = 0,
     ) -> asyncio.Future:
         """Push the gradients of ``params`` for ``clock``; return a future of the :class:`PushResult`
         (it fails with SyncTimeout, ConnectionLost, WorkerLeft; cancelling it gives the push up).
@@ -272,10 +301,20 @@ class PSClient:
         for m in messages:
             conn = self._conns[m.shard]
             op.expect(conn, reply_kind, m.id, reply_clock, self.book.slices(m, flat_o))
-            op.send(conn, Kind.PUSH, self.book.slices(m, flat_g), m.id, clock, DTYPE_BY_NAME[m.dtype], priority, m.nbytes)
+            op.send(
+                conn, Kind.PUSH, self.book.slices(m, flat_g), m.id, clock, DTYPE_BY_NAME[m.dtype], priority, m.nbytes
+            )
         return op.started()
 
-    def push_factors(self, params: Sequence[int], u: np.ndarray, v: np.ndarray, out: Sequence[np.ndarray], clock: int, priority: int = 0) -> asyncio.Future:
+    def push_factors(
+        self,
+        params: Sequence[int],
+        u: np.ndarray,
+        v: np.ndarray,
+        out: Sequence[np.ndarray],
+        clock: int,
+        priority: int = 0,
+    ) -> asyncio.Future:
         """The Project-Adam scheme: send a fully-connected layer's sufficient factors (u: K×M output
         gradient rows, v: K×N input rows) to the shard that holds it; it rebuilds the mean gradient
         and every worker pulls the full matrices (into ``out``: weight, then bias).
@@ -285,14 +324,25 @@ class PSClient:
         """
         layer = tuple(params)
         if layer not in self.book.factored:
-            raise LocalProtocolError(f"parameters {list(params)} are not a factored (Project-Adam) layer of the information book")
+            raise LocalProtocolError(
+                f"parameters {list(params)} are not a factored (Project-Adam) layer of the information book"
+            )
         flat_o = self._flat(params, out)
         messages = self.book.messages_of_params(layer)
         conn = self._conns[messages[0].shard]
         op = _Sync(self, messages, clock, f"the rebuilt matrices for clock {clock}")
         for m in messages:
             op.expect(conn, Kind.AGGREGATE, m.id, clock, self.book.slices(m, flat_o))
-        op.send(conn, Kind.FACTORS, factors.encode(u, v), messages[0].id, clock, factors.DTYPE, priority, u.nbytes + v.nbytes)
+        op.send(
+            conn,
+            Kind.FACTORS,
+            factors.encode(u, v),
+            messages[0].id,
+            clock,
+            factors.DTYPE,
+            priority,
+            u.nbytes + v.nbytes,
+        )
         return op.started()
 
     def _flat(self, params: Sequence[int], arrays: Sequence[np.ndarray]) -> dict:
@@ -317,7 +367,9 @@ class PSClient:
         # If we are cancelled (a sibling sync failed), the inner task's fate must not go unread.
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         try:
-            done, _ = await asyncio.wait({task, self._failure}, timeout=self.config.sync_timeout, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {task, self._failure}, timeout=self.config.sync_timeout, return_when=asyncio.FIRST_COMPLETED
+            )
         except asyncio.CancelledError:
             task.cancel()
             raise
@@ -376,7 +428,9 @@ class PSClient:
         fut = self._loop.create_future()
         self._gate_waiters.append((need, fut))
         try:
-            await self._bounded(fut, f"the SSP gate at clock {clock} (waiting for clock {need})", self.book.messages, need)
+            await self._bounded(
+                fut, f"the SSP gate at clock {clock} (waiting for clock {need})", self.book.messages, need
+            )
         finally:
             if not fut.done():
                 fut.cancel()
@@ -425,14 +479,25 @@ class PSClient:
             ranks = [int(r) for r in info["ranks"]]
             self.dropped.setdefault(int(info["clock"]), set()).update(ranks)
             _keep_newest(self.dropped)
-            log.warning("rank %d: ranks %s were dropped from clock %s (shard %s)", self.rank, ranks, info["clock"], info["shard"])
+            log.warning(
+                "rank %d: ranks %s were dropped from clock %s (shard %s)",
+                self.rank,
+                ranks,
+                info["clock"],
+                info["shard"],
+            )
         elif kind == "stalled":
             self._stalls[(int(info["message"]), int(info["clock"]))] = info
             _keep_newest(self._stalls)
         elif kind == "failed":
             self.fail(WorkerLeft(f"rank {self.rank} was told by shard {info['shard']}: {info['reason']}"))
         elif kind == "error":
-            self.fail(RemoteProtocolError(f"rank {self.rank}: shard {info['shard']} could not finalize message {info['message']} at clock {info['clock']}: {info['reason']}"))
+            self.fail(
+                RemoteProtocolError(
+                    f"rank {self.rank}: shard {info['shard']} could not finalize message {info['message']} "
+                    f"at clock {info['clock']}: {info['reason']}"
+                )
+            )
         else:
             log.info("rank %d: ignoring notice of unknown type %r", self.rank, kind)
 

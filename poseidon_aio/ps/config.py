@@ -120,7 +120,10 @@ class PSConfig:
         if self.sync_timeout <= 0:
             raise ConfigError(f"PSConfig.sync_timeout must be > 0 seconds, got {self.sync_timeout}")
         if self.group_spread_bytes is not None and self.group_spread_bytes < 0:
-            raise ConfigError(f"PSConfig.group_spread_bytes must be >= 0 (0: every merge group on one shard), got {self.group_spread_bytes}")
+            raise ConfigError(
+                "PSConfig.group_spread_bytes must be >= 0 (0: every merge group on one shard), "
+                f"got {self.group_spread_bytes}"
+            )
         if self.outbox_bytes is not None and self.outbox_bytes < 1:
             raise ConfigError(f"PSConfig.outbox_bytes must be >= 1 byte, got {self.outbox_bytes}")
 

@@ -156,8 +156,14 @@ class PSNode:
         workers = env.world_size
         shards = config.shards_for(workers)
         self.book = InformationBook(
-            manifest, workers=workers, shards=shards, chunk_bytes=config.chunk_bytes, groups=groups,
-            placement=config.placement, factored=self._factored, spread_bytes=config.spread_bytes(),
+            manifest,
+            workers=workers,
+            shards=shards,
+            chunk_bytes=config.chunk_bytes,
+            groups=groups,
+            placement=config.placement,
+            factored=self._factored,
+            spread_bytes=config.spread_bytes(),
         )
         await rdzv.check_digest("information book", self.book.digest())
         index = None if config.standalone_shards or env.rank >= shards else env.rank
@@ -168,7 +174,9 @@ class PSNode:
         self.resumed = state is not False
         self.start_clock = start_clock
         if index is not None:
-            self.shard, self._listener = await host_shard(rdzv, index, env.rank, self.book, config, net, start_clock, state, self._shaper)
+            self.shard, self._listener = await host_shard(
+                rdzv, index, env.rank, self.book, config, net, start_clock, state, self._shaper
+            )
         conns = {}
         if self.shard is not None:  # our own shard: an in-process link, no socket
             conns[index], shard_end = LocalLink.pair(env.rank, env.rank)

@@ -38,7 +38,9 @@ async def serve_shard(index: int, *, master_addr: str, master_port: int, workers
     """
     net = config_from_env()  # before anything waits: a missing token fails at once
     # A shard is not a worker: it takes a rank past the workers' for its connections' names.
-    env = ClusterEnv(rank=workers + index, world_size=workers, local_rank=0, master_addr=master_addr, master_port=master_port)
+    env = ClusterEnv(
+        rank=workers + index, world_size=workers, local_rank=0, master_addr=master_addr, master_port=master_port
+    )
     rdzv = Rendezvous(env, timeout=timeout)
     await rdzv.start()
     try:
@@ -46,7 +48,13 @@ async def serve_shard(index: int, *, master_addr: str, master_port: int, workers
     except Exception as exc:
         await rdzv.abort(exc)  # the workers stop waiting for this shard, and hear why
         raise
-    log.info("shard %d serving %d messages for %d workers on %s", index, len(shard.book.messages_of_shard(index)), workers, listener.address)
+    log.info(
+        "shard %d serving %d messages for %d workers on %s",
+        index,
+        len(shard.book.messages_of_shard(index)),
+        workers,
+        listener.address,
+    )
     try:
         try:
             await asyncio.wait_for(shard.wait_all_joined(), timeout)
@@ -58,7 +66,11 @@ async def serve_shard(index: int, *, master_addr: str, master_port: int, workers
     finally:
         await listener.close()
         await shard.close()
-    return {"finalized": shard.stats.finalized, "dropped": shard.stats.dropped, "late_discarded": shard.stats.late_discarded}
+    return {
+        "finalized": shard.stats.finalized,
+        "dropped": shard.stats.dropped,
+        "late_discarded": shard.stats.late_discarded,
+    }
 
 
 async def _join(rdzv: Rendezvous, index: int, workers: int, net, env: ClusterEnv) -> tuple:
@@ -72,13 +84,20 @@ async def _join(rdzv: Rendezvous, index: int, workers: int, net, env: ClusterEnv
         )
     manifest = Manifest.from_json(await rdzv.read("manifest/0", who="rank 0"))
     book = InformationBook(
-        manifest, workers=workers, shards=config.shards, chunk_bytes=config.chunk_bytes,
-        groups=setup["groups"] or None, placement=config.placement, factored=setup.get("factored") or None,
+        manifest,
+        workers=workers,
+        shards=config.shards,
+        chunk_bytes=config.chunk_bytes,
+        groups=setup["groups"] or None,
+        placement=config.placement,
+        factored=setup.get("factored") or None,
         spread_bytes=config.spread_bytes(),
     )
     theirs = await rdzv.read("digest/information book/0", who="rank 0")
     if theirs != book.digest():
-        raise ManifestMismatch(f"shard process {index} computes another information book than rank 0: same poseidon_aio release?")
+        raise ManifestMismatch(
+            f"shard process {index} computes another information book than rank 0: same poseidon_aio release?"
+        )
     _, state = await agree_on_start(rdzv, config, book, index, 0)
     start_clock = int(await rdzv.read("digest/start clock/0", who="rank 0"))
     shard, listener = await host_shard(rdzv, index, env.rank, book, config, net, start_clock, state)

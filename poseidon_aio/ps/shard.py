@@ -122,7 +122,11 @@ class KVShard:
         self._replies = ReplyBuffers()
         self._finalized = {mid: start_clock - 1 for mid in self._messages}
         self._busy: set = set()
-        self._sgd = ServerOptimizer(config.server_sgd, index, self._dtype, config.checkpoint_every) if config.server_sgd else None
+        self._sgd = (
+            ServerOptimizer(config.server_sgd, index, self._dtype, config.checkpoint_every)
+            if config.server_sgd
+            else None
+        )
         self._init: dict = {}  # message -> (clock, rank 0's start-up values) until every worker has them
         self._pullers: dict = {}
         self._lags: deque = deque(maxlen=64)
@@ -259,7 +263,9 @@ class KVShard:
         elif kind is Kind.PARAMS:
             self._on_initial_params(conn.peer_rank, frame)
         else:
-            raise RemoteProtocolError(f"shard {self.index} got an unexpected {kind.name} frame from rank {conn.peer_rank}")
+            raise RemoteProtocolError(
+                f"shard {self.index} got an unexpected {kind.name} frame from rank {conn.peer_rank}"
+            )
 
     def _message(self, rank: int, header: Header) -> Message:
         m = self._messages.get(header.key)
@@ -300,7 +306,9 @@ class KVShard:
             )
         params = found[0]
         m, n = self.book.manifest[params[0]].shape
-        u, v = sufficient_factors.decode(frame, m, n, what=f"{self.book.manifest[params[0]].name} at clock {frame.clock}")
+        u, v = sufficient_factors.decode(
+            frame, m, n, what=f"{self.book.manifest[params[0]].name} at clock {frame.clock}"
+        )
         self._count_in(frame, local)
 
         def keep(p: _Pending) -> None:
@@ -319,7 +327,14 @@ class KVShard:
         clock = frame.clock
         if self._settled(mid, clock):
             self.stats.late_discarded += 1
-            log.info("shard %d: discarded rank %d's late %s of message %d at clock %d", self.index, rank, frame.kind.name, mid, clock)
+            log.info(
+                "shard %d: discarded rank %d's late %s of message %d at clock %d",
+                self.index,
+                rank,
+                frame.kind.name,
+                mid,
+                clock,
+            )
             return
         p = self._pending_for(mid, clock)
         if rank in p.have:
@@ -363,10 +378,17 @@ class KVShard:
         waited = self._loop.time() - p.first_at
         log.warning(
             "shard %d: message %d (%s) at clock %d has waited %.0f s for ranks %s",
-            self.index, mid, self._describe(self._messages[mid]), clock, waited, missing,
+            self.index,
+            mid,
+            self._describe(self._messages[mid]),
+            clock,
+            waited,
+            missing,
         )
         for r in p.have:
-            self._send(r, [self._notice("stalled", message=mid, clock=clock, waiting_for=missing, waited=round(waited, 1))])
+            self._send(
+                r, [self._notice("stalled", message=mid, clock=clock, waiting_for=missing, waited=round(waited, 1))]
+            )
 
     # -- finalize ---------------------------------------------------------------------------
 
@@ -402,7 +424,9 @@ class KVShard:
         try:
             if mid in self._factored:
                 params, messages = self._factored[mid]
-                rebuilt = await self._loop.run_in_executor(self._pool, rebuild, self.book, params, messages, p.slots, contributors)
+                rebuilt = await self._loop.run_in_executor(
+                    self._pool, rebuild, self.book, params, messages, p.slots, contributors
+                )
                 replies = [(msg, Kind.AGGREGATE, payload, clock) for msg, payload in rebuilt]
             else:
                 out = self._replies.take(mid, self._numel[mid], self._dtype[mid])
@@ -479,7 +503,8 @@ class KVShard:
         horizon = self._finalized[m.id] + self.config.staleness + 2
         if frame.clock > horizon:
             raise RemoteProtocolError(
-                f"rank {rank} pulled message {m.id} for clock {frame.clock}, beyond clock {horizon} that shard {self.index} "
+                f"rank {rank} pulled message {m.id} for clock {frame.clock}, "
+                f"beyond clock {horizon} that shard {self.index} "
                 "can be asked for (its newest finalized clock plus the staleness bound)"
             )
         self._pullers.setdefault((m.id, frame.clock), set()).add(rank)

@@ -17,16 +17,17 @@ over every rank, so no one link carries a small layer alone.
 That is the ``direct`` algorithm: every rank talks to every other at once, P - 1 TCP flows each
 way per worker. On a capped link those flows share the bottleneck unevenly and the slowest owner
 sets the step (bench/RESULTS.md, "All-reduce: ring or direct": plain sockets in that pattern
-take longer than in a ring at 100 Mbit, and ours 1.22 x gloo's time on 64 MiB where a ring is at
-1.00 x). So big buckets go ``ring`` (``auto``, the default: slices of 64 KiB and up,
+take longer than in a ring on a capped link, where one flow each way has the link to itself).
+So big buckets go ``ring`` (``auto``, the default: slices of 64 KiB and up,
 ``cost.goes_round_ring``), the same slices and chunks moved the way gloo moves them: P - 1
 reduce-scatter steps, each rank sending one chunk to rank + 1 (its own part first, then what it
-received plus its own), so one flow leaves and one arrives per worker; the owner of a slice (rank q owns slice q + 1) divides the sum by P and
-it travels P - 1 all-gather steps round the ring, every rank landing the owner's bits. The sum of a
-slice runs in ring order from the rank after its owner: fixed, so replicas stay bitwise identical.
-Each chunk walks the ring on its own, so a slice's later chunks are on the wire while its first
-are being summed. Its 2 (P - 1) steps in a row cost a small bucket more than the direct flows do,
-so small buckets (and any too small to give every rank a chunk) go ``direct``.
+received plus its own), so one flow leaves and one arrives per worker; the owner of a slice
+(rank q owns slice q + 1) divides the sum by P and it travels P - 1 all-gather steps round the
+ring, every rank landing the owner's bits. The sum of a slice runs in ring order from the rank
+after its owner: fixed, so replicas stay bitwise identical. Each chunk walks the ring on its own,
+so a slice's later chunks are on the wire while its first are being summed. Its 2 (P - 1) steps
+in a row cost a small bucket more than the direct flows do, so small buckets (and any too small
+to give every rank a chunk) go ``direct``.
 
 Frame keys: ``(first layer of the bucket) << 16 | chunk`` (direct), ``| chunk * (P - 1) + step``
 (ring); the clock is the training clock.
@@ -81,7 +82,13 @@ class _Layout:
         count = max(1, int(-(-int(sizes.max()) // chunk_items)))
         if int(sizes.min()) < count:
             return None
-        return [[(int(lo + size * c // count), int(lo + size * (c + 1) // count)) for lo, size in zip(self._bounds[:-1], sizes)] for c in range(count)]
+        return [
+            [
+                (int(lo + size * c // count), int(lo + size * (c + 1) // count))
+                for lo, size in zip(self._bounds[:-1], sizes)
+            ]
+            for c in range(count)
+        ]
 
     def pieces(self, start: int, stop: int) -> list:
         """``[(array, lo, hi)]`` covering flat elements ``[start, stop)``."""
@@ -150,23 +157,27 @@ class AllReduceConfig:
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALLREDUCE_ALGORITHMS:
-            raise ConfigError(f"AllReduceConfig.algorithm must be one of {', '.join(ALLREDUCE_ALGORITHMS)}, got {self.algorithm!r}")
+            raise ConfigError(
+                f"AllReduceConfig.algorithm must be one of {', '.join(ALLREDUCE_ALGORITHMS)}, got {self.algorithm!r}"
+            )
 
 
 @register
 class AllReduceSyncer(Syncer):
     """Args:
-        rank, world: this worker and how many there are.
-        peers: ``{rank: link}`` to every other worker.
-        timeout: seconds to wait for any one part.
-        chunk_bytes: the pipelining granularity (``PSConfig.chunk_bytes``: the same 2 MiB).
-        algorithm: ``"auto"``, ``"ring"`` or ``"direct"`` (``AllReduceConfig.algorithm``; see the
-            module's text and ``cost.goes_round_ring``).
+    rank, world: this worker and how many there are.
+    peers: ``{rank: link}`` to every other worker.
+    timeout: seconds to wait for any one part.
+    chunk_bytes: the pipelining granularity (``PSConfig.chunk_bytes``: the same 2 MiB).
+    algorithm: ``"auto"``, ``"ring"`` or ``"direct"`` (``AllReduceConfig.algorithm``; see the
+        module's text and ``cost.goes_round_ring``).
     """
 
     scheme = Scheme.ALLREDUCE
 
-    def __init__(self, rank: int, world: int, peers, timeout: float, chunk_bytes: int = 2 << 20, algorithm: str = "auto") -> None:
+    def __init__(
+        self, rank: int, world: int, peers, timeout: float, chunk_bytes: int = 2 << 20, algorithm: str = "auto"
+    ) -> None:
         if algorithm not in ALLREDUCE_ALGORITHMS:
             raise ConfigError(f"all-reduce algorithm {algorithm!r}: use one of {', '.join(ALLREDUCE_ALGORITHMS)}")
         self.algorithm = algorithm
@@ -198,10 +209,16 @@ class AllReduceSyncer(Syncer):
         outs = [o.reshape(-1) for o in bucket.outs]
         dtype = grads[0].dtype
         if any(g.dtype != dtype for g in grads):
-            raise ConfigError(f"bucket {bucket.label} mixes dtypes {sorted({str(g.dtype) for g in grads})}: all-reduce one dtype at a time")
+            raise ConfigError(
+                f"bucket {bucket.label} mixes dtypes {sorted({str(g.dtype) for g in grads})}: "
+                "all-reduce one dtype at a time"
+            )
         wire = wire_dtype(dtype)
         if wire is None:
-            raise ConfigError(f"bucket {bucket.label} holds {dtype} arrays, which have no wire type: all-reduce {', '.join(DTYPE_BY_NAME)}")
+            raise ConfigError(
+                f"bucket {bucket.label} holds {dtype} arrays, which have no wire type: "
+                f"all-reduce {', '.join(DTYPE_BY_NAME)}"
+            )
         if self.world == 1:
             for g, o in zip(grads, outs):
                 np.copyto(o, g)
@@ -234,9 +251,18 @@ class AllReduceSyncer(Syncer):
             for c, (owner, start, stop) in enumerate(layout.chunks):
                 if owner != self.rank:
                     payload = [grads[i][lo:hi] for i, lo, hi in layout.pieces(start, stop)]
-                    sends.append(self._peers[owner].send(Kind.PUSH, payload, key=base + c, clock=clock, dtype=wire, priority=bucket.priority))
+                    sends.append(
+                        self._peers[owner].send(
+                            Kind.PUSH, payload, key=base + c, clock=clock, dtype=wire, priority=bucket.priority
+                        )
+                    )
                     sent += (stop - start) * dtype.itemsize
-            reduce_tasks = [asyncio.ensure_future(self._reduce_and_gather(bucket, layout, grads, outs, parts, c, start, stop, base, clock, wire)) for c, start, stop in mine]
+            reduce_tasks = [
+                asyncio.ensure_future(
+                    self._reduce_and_gather(bucket, layout, grads, outs, parts, c, start, stop, base, clock, wire)
+                )
+                for c, start, stop in mine
+            ]
             await self._bounded(asyncio.gather(*sends), bucket, clock, "sending its parts")
             for n in await self._bounded(asyncio.gather(*reduce_tasks), bucket, clock, "the other ranks' parts"):
                 sent += n
@@ -270,7 +296,12 @@ class AllReduceSyncer(Syncer):
             total = x.copy() if total is None else np.add(total, x, out=total)
         np.divide(total, total.dtype.type(self.world), out=total)
         _scatter(total, outs, pieces)
-        await asyncio.gather(*(conn.send(Kind.AGGREGATE, total, key=base + c, clock=clock, dtype=wire, priority=bucket.priority) for conn in self._peers.values()))
+        await asyncio.gather(
+            *(
+                conn.send(Kind.AGGREGATE, total, key=base + c, clock=clock, dtype=wire, priority=bucket.priority)
+                for conn in self._peers.values()
+            )
+        )
         return total.nbytes * len(self._peers)
 
     async def _ring(self, bucket, clock, layout, ring, grads, outs, dtype, wire) -> SyncResult:
@@ -289,8 +320,15 @@ class AllReduceSyncer(Syncer):
                 parts[(c, s)] = (self._peers[prev].expect(Kind.PUSH, base + c * steps + s, clock, into=buf), buf)
                 start, stop = slices[(r - s) % P]
                 into, pieces = self._landing(layout, outs, start, stop, dtype)
-                gathers[(c, s)] = (self._peers[prev].expect(Kind.AGGREGATE, base + c * steps + s, clock, into=into), into, pieces)
-        walks = [asyncio.ensure_future(self._walk(bucket, clock, layout, slices, c, grads, outs, parts, gathers, wire)) for c, slices in enumerate(ring)]
+                gathers[(c, s)] = (
+                    self._peers[prev].expect(Kind.AGGREGATE, base + c * steps + s, clock, into=into),
+                    into,
+                    pieces,
+                )
+        walks = [
+            asyncio.ensure_future(self._walk(bucket, clock, layout, slices, c, grads, outs, parts, gathers, wire))
+            for c, slices in enumerate(ring)
+        ]
         for walk in walks:  # the first failure is raised; the others' (the same cause) are not news
             walk.add_done_callback(_retrieved)
         try:
@@ -321,7 +359,14 @@ class AllReduceSyncer(Syncer):
         nxt, prev = self._peers[(r + 1) % P], (r - 1) % P
         base = bucket.layers[0] * CHUNKS_PER_LAYER + c * steps
         start, stop = slices[r]
-        await nxt.send(Kind.PUSH, [grads[i][lo:hi] for i, lo, hi in layout.pieces(start, stop)], key=base, clock=clock, dtype=wire, priority=bucket.priority)
+        await nxt.send(
+            Kind.PUSH,
+            [grads[i][lo:hi] for i, lo, hi in layout.pieces(start, stop)],
+            key=base,
+            clock=clock,
+            dtype=wire,
+            priority=bucket.priority,
+        )
         sent = (stop - start) * grads[0].itemsize
         for s in range(steps):
             fut, acc = parts[(c, s)]
@@ -341,7 +386,9 @@ class AllReduceSyncer(Syncer):
             if pieces is not None:  # a chunk across arrays: scatter it
                 _scatter(into, outs, pieces)
             if s < steps - 1:
-                await nxt.send(Kind.AGGREGATE, into, key=base + s + 1, clock=clock, dtype=wire, priority=bucket.priority)
+                await nxt.send(
+                    Kind.AGGREGATE, into, key=base + s + 1, clock=clock, dtype=wire, priority=bucket.priority
+                )
                 sent += into.nbytes
         return sent
 

@@ -10,12 +10,15 @@ import numpy as np
 from ..errors import SyncTimeout
 from ..wire import DType, Kind, wire_dtype
 
+
 async def parameters(rank: int, peers: Mapping[int, object], arrays: Sequence[np.ndarray], timeout: float) -> None:
     """Rank 0's parameters (and buffers) to every rank, at start."""
     await broadcast(rank, peers, arrays, Kind.PARAMS, 0, timeout, what="parameters and buffers")
 
 
-async def buffers(rank: int, peers: Mapping[int, object], arrays: Sequence[np.ndarray], clock: int, timeout: float) -> None:
+async def buffers(
+    rank: int, peers: Mapping[int, object], arrays: Sequence[np.ndarray], clock: int, timeout: float
+) -> None:
     """Rank 0's buffers (BatchNorm statistics) to every rank, at the end of step ``clock``: one
     frame per peer and dtype, not one per buffer (a ResNet-20 has 45, mostly a few hundred
     bytes)."""
@@ -37,7 +40,14 @@ async def buffers(rank: int, peers: Mapping[int, object], arrays: Sequence[np.nd
 
 
 async def broadcast(
-    rank: int, peers: Mapping[int, object], arrays: Sequence[np.ndarray], kind: Kind, clock: int, timeout: float, *, what: str
+    rank: int,
+    peers: Mapping[int, object],
+    arrays: Sequence[np.ndarray],
+    kind: Kind,
+    clock: int,
+    timeout: float,
+    *,
+    what: str,
 ) -> None:
     """Make every rank's ``arrays`` equal rank 0's: rank 0 sends, the others receive in place.
 

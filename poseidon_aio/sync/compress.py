@@ -144,7 +144,11 @@ class Feedback:
 
     def state(self) -> dict:
         """Copies of every array, ``{"<layer>/<name>": array}`` (layer names hold no ``/``)."""
-        return {f"{label}/{name}": np.array(a, copy=True) for label, arrays in sorted(self._layers.items()) for name, a in sorted(arrays.items())}
+        return {
+            f"{label}/{name}": np.array(a, copy=True)
+            for label, arrays in sorted(self._layers.items())
+            for name, a in sorted(arrays.items())
+        }
 
     def load(self, state: Mapping[str, np.ndarray]) -> None:
         """Replace the state with ``state`` (as :meth:`state` gave it)."""
@@ -165,7 +169,10 @@ def _stored(entry: dict, name: str, shape: tuple, label: str, make) -> np.ndarra
     if a is None:
         a = entry[name] = make()
     elif a.shape != shape:
-        raise CheckpointError(f"layer {label}: the error-feedback state {name} has shape {a.shape}, this model needs {shape}: the checkpoint is of another model or setting")
+        raise CheckpointError(
+            f"layer {label}: the error-feedback state {name} has shape {a.shape}, this model needs {shape}: "
+            "the checkpoint is of another model or setting"
+        )
     return a
 
 
@@ -187,21 +194,33 @@ class PowerSGDStep:
     >>> # p = step.begin(); q = step.middle(mean(p)); outs = step.finish(mean(q))
     """
 
-    def __init__(self, label: str, grads: Sequence[np.ndarray], rank: int, feedback: Feedback, members: Optional[Sequence[tuple]] = None) -> None:
+    def __init__(
+        self,
+        label: str,
+        grads: Sequence[np.ndarray],
+        rank: int,
+        feedback: Feedback,
+        members: Optional[Sequence[tuple]] = None,
+    ) -> None:
         self.label = label
         self.shapes = [g.shape for g in grads]
         self.rank = rank
         self._grads = grads
         members = members or ((label, len(grads)),)
         if sum(count for _, count in members) != len(grads):
-            raise ConfigError(f"bucket {label}: its members name {sum(c for _, c in members)} arrays, it holds {len(grads)}")
+            raise ConfigError(
+                f"bucket {label}: its members name {sum(c for _, c in members)} arrays, it holds {len(grads)}"
+            )
         # each matrix: (its index in grads, its layer, that layer's state, its index in the layer)
         self._mats: list = []
         first = 0
         for owner, count in members:
             mats = [i for i in range(first, first + count) if grads[i].ndim >= 2]
             if not mats:
-                raise ConfigError(f"layer {owner} has no matrix parameter: PowerSGD compresses matrices (Linear, convolution, embedding weights)")
+                raise ConfigError(
+                    f"layer {owner} has no matrix parameter: "
+                    "PowerSGD compresses matrices (Linear, convolution, embedding weights)"
+                )
             entry = feedback.entry(owner)
             self._mats += [(i, owner, entry, j) for j, i in enumerate(mats)]
             first += count
@@ -282,7 +301,10 @@ class TopKStep:
         self.size = sum(grads[i].size for i in self._mats)
         self.dense = sum(grads[i].size for i in self._vecs)
         if not self.size:
-            raise ConfigError(f"layer {label} has no matrix parameter: top-k sparsifies matrices (Linear, convolution, embedding weights)")
+            raise ConfigError(
+                f"layer {label} has no matrix parameter: "
+                "top-k sparsifies matrices (Linear, convolution, embedding weights)"
+            )
         self.k = topk_count(self.size, ratio)
 
     def begin(self) -> tuple:

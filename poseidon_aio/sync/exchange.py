@@ -79,7 +79,15 @@ class MeshExchange:
     >>> # mean, sent, received = await mesh.allreduce(x, half, layer=3, phase=0, clock=t, what="layer fc1")
     """
 
-    def __init__(self, rank: int, world: int, peers: Mapping[int, object], timeout: float, chunk_bytes: int = 2 << 20, executor: Optional[Executor] = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        peers: Mapping[int, object],
+        timeout: float,
+        chunk_bytes: int = 2 << 20,
+        executor: Optional[Executor] = None,
+    ) -> None:
         self.rank = rank
         self.world = world
         self._peers = dict(peers)
@@ -113,13 +121,18 @@ class MeshExchange:
                     layout.append((owner, lo, min(hi, lo + per_chunk)))
                     lo = min(hi, lo + per_chunk)
             if len(layout) > MAX_CHUNKS:
-                raise ConfigError(f"{n} values make {len(layout)} chunks of {self._chunk_bytes} bytes, past {MAX_CHUNKS}: raise PSConfig.chunk_bytes")
+                raise ConfigError(
+                    f"{n} values make {len(layout)} chunks of {self._chunk_bytes} bytes, past {MAX_CHUNKS}: "
+                    "raise PSConfig.chunk_bytes"
+                )
             self._layouts[key] = layout
         return layout
 
     # -- all-reduce -------------------------------------------------------------------------
 
-    async def allreduce(self, x: np.ndarray, codec, *, layer: int, phase: int, clock: int, what: str, priority: int = 0) -> tuple:
+    async def allreduce(
+        self, x: np.ndarray, codec, *, layer: int, phase: int, clock: int, what: str, priority: int = 0
+    ) -> tuple:
         """The rank-order mean of every rank's ``x`` (1-D float32, the same length everywhere),
         through ``codec`` (a ``wire`` payload module: ``encode``, ``expand``, ``decode``, ``DTYPE``,
         ``ITEM_BYTES``).
@@ -140,7 +153,9 @@ class MeshExchange:
         layout = self.chunks(x.size, codec.ITEM_BYTES)
         pending: dict = {}  # (description, rank) -> future: what the deadline's message names
         try:
-            return await asyncio.wait_for(self._allreduce(x, out, codec, layout, layer, phase, clock, what, priority, pending), self._timeout)
+            return await asyncio.wait_for(
+                self._allreduce(x, out, codec, layout, layer, phase, clock, what, priority, pending), self._timeout
+            )
         except TimeoutError:
             raise self._timed_out(what, clock, pending) from None
         finally:
@@ -155,14 +170,23 @@ class MeshExchange:
                 pending[(f"its part of chunk {c}", q)] = conn.expect(Kind.PUSH, frame_key(layer, phase, c), clock)
         theirs = [(c, owner, lo, hi) for c, (owner, lo, hi) in enumerate(layout) if owner != self.rank]
         for c, owner, _, _ in theirs:
-            pending[(f"the reduced chunk {c}", owner)] = self._peers[owner].expect(Kind.AGGREGATE, frame_key(layer, phase, c), clock)
+            pending[(f"the reduced chunk {c}", owner)] = self._peers[owner].expect(
+                Kind.AGGREGATE, frame_key(layer, phase, c), clock
+            )
         encoded = await self.run((layer, phase, "encode"), lambda: [codec.encode(x[lo:hi]) for _, _, lo, hi in theirs])
         sent = received = 0
         sends = []
         for (c, owner, _, _), parts in zip(theirs, encoded):
-            sends.append(self._peers[owner].send(Kind.PUSH, parts, key=frame_key(layer, phase, c), clock=clock, dtype=codec.DTYPE, priority=priority))
+            sends.append(
+                self._peers[owner].send(
+                    Kind.PUSH, parts, key=frame_key(layer, phase, c), clock=clock, dtype=codec.DTYPE, priority=priority
+                )
+            )
             sent += sum(p.nbytes for p in parts)
-        reduces = [asyncio.ensure_future(self._reduce(x, out, codec, c, lo, hi, layer, phase, clock, what, priority, pending)) for c, lo, hi in mine]
+        reduces = [
+            asyncio.ensure_future(self._reduce(x, out, codec, c, lo, hi, layer, phase, clock, what, priority, pending))
+            for c, lo, hi in mine
+        ]
         for task in reduces:
             task.add_done_callback(_retrieve)
         try:
@@ -191,7 +215,11 @@ class MeshExchange:
         def reduce() -> list:
             total = None
             for r in range(self.world):  # rank order: the same float32 additions whatever arrived first
-                part = x[lo:hi] if r == self.rank else codec.decode(frames[r], hi - lo, what=f"{what} at clock {clock} (chunk {c})")
+                part = (
+                    x[lo:hi]
+                    if r == self.rank
+                    else codec.decode(frames[r], hi - lo, what=f"{what} at clock {clock} (chunk {c})")
+                )
                 total = np.array(part, dtype=np.float32, copy=True) if total is None else np.add(total, part, out=total)
             np.divide(total, np.float32(self.world), out=total)
             parts = codec.encode(total)
@@ -200,13 +228,20 @@ class MeshExchange:
 
         parts = await self.run((layer, phase, "reduce", c), reduce)
         key = frame_key(layer, phase, c)
-        await asyncio.gather(*(conn.send(Kind.AGGREGATE, parts, key=key, clock=clock, dtype=codec.DTYPE, priority=priority) for conn in self._peers.values()))
+        await asyncio.gather(
+            *(
+                conn.send(Kind.AGGREGATE, parts, key=key, clock=clock, dtype=codec.DTYPE, priority=priority)
+                for conn in self._peers.values()
+            )
+        )
         nbytes = sum(p.nbytes for p in parts)
         return nbytes * len(self._peers), sum(f.header.length for f in frames.values())
 
     # -- all-gather -------------------------------------------------------------------------
 
-    async def allgather(self, parts: list, dtype, *, layer: int, phase: int, clock: int, what: str, priority: int = 0) -> tuple:
+    async def allgather(
+        self, parts: list, dtype, *, layer: int, phase: int, clock: int, what: str, priority: int = 0
+    ) -> tuple:
         """Send ``parts`` (one payload, gathered) to every peer; receive every peer's.
 
         Returns:
@@ -220,7 +255,12 @@ class MeshExchange:
         pending = {("its payload", q): conn.expect(Kind.PUSH, key, clock) for q, conn in self._peers.items()}
 
         async def body():
-            await asyncio.gather(*(conn.send(Kind.PUSH, parts, key=key, clock=clock, dtype=dtype, priority=priority) for conn in self._peers.values()))
+            await asyncio.gather(
+                *(
+                    conn.send(Kind.PUSH, parts, key=key, clock=clock, dtype=dtype, priority=priority)
+                    for conn in self._peers.values()
+                )
+            )
             return await asyncio.gather(*pending.values())
 
         try:
@@ -261,7 +301,11 @@ class LossySyncer:
 
     @classmethod
     def build(cls, ctx):
-        return cls(MeshExchange.of(ctx), ctx.compression or CompressionConfig(), ctx.feedback if ctx.feedback is not None else Feedback())
+        return cls(
+            MeshExchange.of(ctx),
+            ctx.compression or CompressionConfig(),
+            ctx.feedback if ctx.feedback is not None else Feedback(),
+        )
 
     def start(self, bucket, clock: int) -> asyncio.Task:
         before = self._last.get(bucket.label)
@@ -274,7 +318,10 @@ class LossySyncer:
             await asyncio.wait([before])  # bounded: that sync has its own deadline; its error is its own
         for g in bucket.grads:
             if g.dtype != np.float32:
-                raise ConfigError(f"layer {bucket.label}: the lossy schemes take float32 gradients, got {g.dtype}; sync it by an exact scheme")
+                raise ConfigError(
+                    f"layer {bucket.label}: the lossy schemes take float32 gradients, got {g.dtype}; "
+                    "sync it by an exact scheme"
+                )
         return await self._sync(bucket, clock)
 
     async def _sync(self, bucket, clock: int):  # pragma: no cover - each scheme's own

@@ -23,10 +23,10 @@ PHASE = 0
 @register
 class HalfSyncer(LossySyncer, Syncer):
     """Args:
-        mesh: the worker's :class:`~poseidon_aio.sync.exchange.MeshExchange`.
-        config: the job's :class:`~poseidon_aio.plan.lossy.CompressionConfig` (unused: fp16
-            has no setting).
-        feedback: the worker's error-feedback state (unused: fp16 keeps none).
+    mesh: the worker's :class:`~poseidon_aio.sync.exchange.MeshExchange`.
+    config: the job's :class:`~poseidon_aio.plan.lossy.CompressionConfig` (unused: fp16
+        has no setting).
+    feedback: the worker's error-feedback state (unused: fp16 keeps none).
     """
 
     scheme = Scheme.FP16
@@ -35,7 +35,13 @@ class HalfSyncer(LossySyncer, Syncer):
         flat = [g.reshape(-1) for g in bucket.grads]
         x = np.concatenate(flat) if len(flat) > 1 else flat[0]
         mean, sent, received = await self._mesh.allreduce(
-            x, half, layer=bucket.layers[0], phase=PHASE, clock=clock, what=f"the fp16 all-reduce of layer {bucket.label}", priority=bucket.priority
+            x,
+            half,
+            layer=bucket.layers[0],
+            phase=PHASE,
+            clock=clock,
+            what=f"the fp16 all-reduce of layer {bucket.label}",
+            priority=bucket.priority,
         )
         offset, arrays = 0, []
         for g in bucket.grads:

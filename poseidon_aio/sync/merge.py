@@ -18,9 +18,9 @@ from .syncer import Syncer, SyncResult
 
 class Merging(Syncer):
     """Args:
-        inner: the syncer a merged bucket goes to (a ``mergeable`` one: the PS, all-reduce).
-        groups: layer indices that travel together, each group in model order; a layer in no
-            group (or alone in one) goes on its own.
+    inner: the syncer a merged bucket goes to (a ``mergeable`` one: the PS, all-reduce).
+    groups: layer indices that travel together, each group in model order; a layer in no
+        group (or alone in one) goes on its own.
     """
 
     def __init__(self, inner: Syncer, groups: Sequence[Sequence[int]]) -> None:
@@ -64,7 +64,9 @@ class Merging(Syncer):
         by_layer = {b.layers[0]: b for b in buckets}
         g = self._group_of.get(buckets[0].layers[0]) if buckets else None
         if g is None or set(by_layer) != set(self.groups[g]) or len(by_layer) != len(buckets):
-            raise ConfigError(f"a merged message takes one whole merge group; got layers {sorted(by_layer)} (groups {self.groups})")
+            raise ConfigError(
+                f"a merged message takes one whole merge group; got layers {sorted(by_layer)} (groups {self.groups})"
+            )
         return asyncio.ensure_future(self.inner.start(Bucket.merged([by_layer[m] for m in self.groups[g]]), clock))
 
 

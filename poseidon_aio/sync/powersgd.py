@@ -26,9 +26,9 @@ PHASE_P, PHASE_Q = 0, 1
 @register
 class PowerSGDSyncer(LossySyncer, Syncer):
     """Args:
-        mesh: the worker's :class:`~poseidon_aio.sync.exchange.MeshExchange`.
-        config: the job's :class:`~poseidon_aio.plan.lossy.CompressionConfig` (its ``rank``).
-        feedback: the worker's error-feedback state (errors and warm-started Q per layer).
+    mesh: the worker's :class:`~poseidon_aio.sync.exchange.MeshExchange`.
+    config: the job's :class:`~poseidon_aio.plan.lossy.CompressionConfig` (its ``rank``).
+    feedback: the worker's error-feedback state (errors and warm-started Q per layer).
     """
 
     # MG-WFBP may merge consecutive PowerSGD layers (``Scheme.mergeable``): one P and one Q
@@ -40,9 +40,25 @@ class PowerSGDSyncer(LossySyncer, Syncer):
         step = PowerSGDStep(bucket.label, bucket.grads, self.config.rank, self.feedback, bucket.members)
         layer, what = bucket.layers[0], f"layer {bucket.label}"
         p = await self._mesh.run((layer, "begin"), step.begin)
-        p_mean, sent_p, received_p = await self._mesh.allreduce(p, lowrank, layer=layer, phase=PHASE_P, clock=clock, what=f"PowerSGD's P of {what}", priority=bucket.priority)
+        p_mean, sent_p, received_p = await self._mesh.allreduce(
+            p,
+            lowrank,
+            layer=layer,
+            phase=PHASE_P,
+            clock=clock,
+            what=f"PowerSGD's P of {what}",
+            priority=bucket.priority,
+        )
         q = await self._mesh.run((layer, "middle"), step.middle, p_mean)
-        q_mean, sent_q, received_q = await self._mesh.allreduce(q, lowrank, layer=layer, phase=PHASE_Q, clock=clock, what=f"PowerSGD's Q of {what}", priority=bucket.priority)
+        q_mean, sent_q, received_q = await self._mesh.allreduce(
+            q,
+            lowrank,
+            layer=layer,
+            phase=PHASE_Q,
+            clock=clock,
+            what=f"PowerSGD's Q of {what}",
+            priority=bucket.priority,
+        )
         arrays = await self._mesh.run((layer, "finish"), step.finish, q_mean)
         self._land(bucket, arrays)
         return SyncResult(sent_p + sent_q, received_p + received_q)

@@ -13,8 +13,8 @@ from .syncer import SyncContext, Syncer, SyncResult, register
 @register
 class PSSyncer(Syncer):
     """Args:
-        client: the node's :class:`~poseidon_aio.ps.PSClient`.
-        index: model manifest index -> the parameter server's manifest index.
+    client: the node's :class:`~poseidon_aio.ps.PSClient`.
+    index: model manifest index -> the parameter server's manifest index.
     """
 
     scheme = Scheme.PS

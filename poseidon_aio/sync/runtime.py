@@ -32,7 +32,9 @@ _CALIBRATION_KEY = 7
 _CALIBRATION_CLOCK = 1 << 61
 
 
-async def calibrate(rank: int, world: int, peers: Mapping[int, object], sizes: Sequence[int], timeout: float, cpu: Optional[list] = None) -> list:
+async def calibrate(
+    rank: int, world: int, peers: Mapping[int, object], sizes: Sequence[int], timeout: float, cpu: Optional[list] = None
+) -> list:
     """Round trips around the ring of ranks shaped like a PS sync (a PUSH out, an AGGREGATE of
     the same size back), three per size, while the links are idle: ``[(bytes, seconds)]``.
 
@@ -57,7 +59,8 @@ async def calibrate(rank: int, world: int, peers: Mapping[int, object], sizes: S
                 await asyncio.wait_for(back, timeout)
             except TimeoutError:
                 raise SyncTimeout(
-                    f"rank {rank}: a calibration message of {size} bytes did not come back from rank {nxt.peer_rank} within {timeout} s"
+                    f"rank {rank}: a calibration message of {size} bytes did not come back "
+                    f"from rank {nxt.peer_rank} within {timeout} s"
                 ) from None
             if i == 0 and rep == 0:
                 continue
@@ -87,7 +90,13 @@ class MergeRuntime(MergePlanner):
     """
 
     def __init__(
-        self, config: MergeConfig, rank: int, world: int, shards: int, scheme: Scheme = Scheme.PS, calibration: Sequence[tuple] = ()
+        self,
+        config: MergeConfig,
+        rank: int,
+        world: int,
+        shards: int,
+        scheme: Scheme = Scheme.PS,
+        calibration: Sequence[tuple] = (),
     ) -> None:
         super().__init__(config, world, shards, scheme, calibration)
         self.rank = rank
@@ -99,7 +108,9 @@ class MergeRuntime(MergePlanner):
         """Whether the plan is made after the step of ``clock``."""
         return clock == self.config.after - 1
 
-    async def agree(self, rdzv, generation: int, layers: Sequence[int], names: Sequence[str], sizes: Sequence[int]) -> dict:
+    async def agree(
+        self, rdzv, generation: int, layers: Sequence[int], names: Sequence[str], sizes: Sequence[int]
+    ) -> dict:
         """Rank 0 plans and publishes; every rank reads the plan and checks its hash.
 
         Raises:

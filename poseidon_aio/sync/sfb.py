@@ -23,11 +23,11 @@ from .syncer import SyncContext, Syncer, SyncResult, register
 @register
 class SFBSyncer(Syncer):
     """Args:
-        rank, world: this worker and how many there are.
-        peers: ``{rank: link}`` to every other worker.
-        reconstruct: ``reconstruct(us, vs, scale, out_w, out_b)``, the kernel (torch or CuPy).
-        executor: the thread it runs on (the GEMM releases the GIL; the loop keeps moving bytes).
-        timeout: seconds to wait for every peer's factors.
+    rank, world: this worker and how many there are.
+    peers: ``{rank: link}`` to every other worker.
+    reconstruct: ``reconstruct(us, vs, scale, out_w, out_b)``, the kernel (torch or CuPy).
+    executor: the thread it runs on (the GEMM releases the GIL; the loop keeps moving bytes).
+    timeout: seconds to wait for every peer's factors.
     """
 
     scheme = Scheme.SFB
@@ -56,7 +56,10 @@ class SFBSyncer(Syncer):
         parts = factors.encode(u, v)
         try:
             await asyncio.gather(
-                *(conn.send(Kind.FACTORS, parts, key=key, clock=clock, dtype=factors.DTYPE, priority=bucket.priority) for conn in self._peers.values())
+                *(
+                    conn.send(Kind.FACTORS, parts, key=key, clock=clock, dtype=factors.DTYPE, priority=bucket.priority)
+                    for conn in self._peers.values()
+                )
             )
             frames = await asyncio.wait_for(asyncio.gather(*waits.values()), self._timeout)
         except asyncio.CancelledError:
@@ -79,4 +82,6 @@ class SFBSyncer(Syncer):
         started = time.perf_counter()
         await loop.run_in_executor(self._executor, self._reconstruct, us, vs, 1.0 / self.world, out_w, out_b)
         rebuilt = ((f"rebuild {bucket.label}", started, time.perf_counter()),)
-        return SyncResult(factors.nbytes(u.shape[0], m, n) * len(self._peers), sum(f.header.length for f in frames), work=rebuilt)
+        return SyncResult(
+            factors.nbytes(u.shape[0], m, n) * len(self._peers), sum(f.header.length for f in frames), work=rebuilt
+        )

@@ -26,9 +26,9 @@ PHASE = 2
 @register
 class TopKSyncer(LossySyncer, Syncer):
     """Args:
-        mesh: the worker's :class:`~poseidon_aio.sync.exchange.MeshExchange`.
-        config: the job's :class:`~poseidon_aio.plan.lossy.CompressionConfig` (its ``ratio``).
-        feedback: the worker's error-feedback state (the error per layer).
+    mesh: the worker's :class:`~poseidon_aio.sync.exchange.MeshExchange`.
+    config: the job's :class:`~poseidon_aio.plan.lossy.CompressionConfig` (its ``ratio``).
+    feedback: the worker's error-feedback state (the error per layer).
     """
 
     # MG-WFBP may merge consecutive top-k layers into one all-gather (``Scheme.mergeable``). Each
@@ -40,7 +40,10 @@ class TopKSyncer(LossySyncer, Syncer):
 
     async def _sync(self, bucket, clock: int) -> SyncResult:
         if sum(count for _, count in bucket.members) != len(bucket.grads):
-            raise ConfigError(f"bucket {bucket.label}: its members name {sum(c for _, c in bucket.members)} arrays, it holds {len(bucket.grads)}")
+            raise ConfigError(
+                f"bucket {bucket.label}: its members name {sum(c for _, c in bucket.members)} arrays, "
+                f"it holds {len(bucket.grads)}"
+            )
         steps, at = [], 0
         for label, count in bucket.members:
             steps.append(TopKStep(label, bucket.grads[at : at + count], self.config.ratio, self.feedback))
@@ -49,13 +52,22 @@ class TopKSyncer(LossySyncer, Syncer):
         mine = await self._mesh.run((layer, "begin"), lambda: [step.begin() for step in steps])
         what = f"the top-k values of layer {bucket.label}"
         frames, sent, received = await self._mesh.allgather(
-            [part for m in mine for part in sparse.encode(*m)], sparse.DTYPE, layer=layer, phase=PHASE, clock=clock, what=what, priority=bucket.priority
+            [part for m in mine for part in sparse.encode(*m)],
+            sparse.DTYPE,
+            layer=layer,
+            phase=PHASE,
+            clock=clock,
+            what=what,
+            priority=bucket.priority,
         )
 
         def finish() -> list:
             where = f"{what} at clock {clock}"
             layouts, names = [(step.dense, step.k, step.size) for step in steps], [step.label for step in steps]
-            parts = [mine if r == self._mesh.rank else sparse.decode_layers(frames[r], layouts, what=where, names=names) for r in range(self._mesh.world)]
+            parts = [
+                mine if r == self._mesh.rank else sparse.decode_layers(frames[r], layouts, what=where, names=names)
+                for r in range(self._mesh.world)
+            ]
             return [array for i, step in enumerate(steps) for array in step.finish([p[i] for p in parts])]
 
         arrays = await self._mesh.run((layer, "finish"), finish)

@@ -53,7 +53,13 @@ def judge_trial(warm: Mapping[int, Sequence[float]], *trials: Mapping[int, Seque
     unmerged = job_median(warm)
     medians = [job_median(trial) for trial in trials]
     best = min(range(len(medians)), key=lambda i: (medians[i], i))
-    return {"kept": medians[best] < unmerged, "best": best, "unmerged_s": unmerged, "planned_s": medians[best], "trials_s": medians}
+    return {
+        "kept": medians[best] < unmerged,
+        "best": best,
+        "unmerged_s": unmerged,
+        "planned_s": medians[best],
+        "trials_s": medians,
+    }
 
 
 class Phase(enum.Enum):

@@ -20,8 +20,15 @@ from .step import Aggregates, StepState
 # and its group's settings: stepping them on some parameters, then on the rest, gives every
 # parameter the bits one step over all of them gives (exact types: a subclass may couple them).
 PER_PARAMETER_OPTIMIZERS = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
-    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta,
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adadelta,
 )
 
 
@@ -53,7 +60,16 @@ class Applier:
         gpu: whether the model's tensors are staged through host buffers.
     """
 
-    def __init__(self, settings: Settings, optimizer: torch.optim.Optimizer, named: list, staging: Staging, aggregates: Aggregates, compute, gpu: bool) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        optimizer: torch.optim.Optimizer,
+        named: list,
+        staging: Staging,
+        aggregates: Aggregates,
+        compute,
+        gpu: bool,
+    ) -> None:
         self.optimizer = optimizer
         self.named = named
         self.param_bytes = [p.numel() * p.element_size() for _, p in named]
@@ -92,11 +108,19 @@ class Applier:
         parameter on its own and no step hooks (they would run once a part), and where some sync
         lands enough bytes to be worth a step of its own."""
         least = self.early_step_bytes
-        if least is None or self.gpu or self.staleness or type(self.optimizer) not in PER_PARAMETER_OPTIMIZERS or len(state.syncs) < 2:
+        if (
+            least is None
+            or self.gpu
+            or self.staleness
+            or type(self.optimizer) not in PER_PARAMETER_OPTIMIZERS
+            or len(state.syncs) < 2
+        ):
             return False
         hooks = (
-            getattr(self.optimizer, "_optimizer_step_pre_hooks", None), getattr(self.optimizer, "_optimizer_step_post_hooks", None),
-            getattr(torch_optimizer, "_global_optimizer_pre_hooks", None), getattr(torch_optimizer, "_global_optimizer_post_hooks", None),
+            getattr(self.optimizer, "_optimizer_step_pre_hooks", None),
+            getattr(self.optimizer, "_optimizer_step_post_hooks", None),
+            getattr(torch_optimizer, "_global_optimizer_pre_hooks", None),
+            getattr(torch_optimizer, "_global_optimizer_post_hooks", None),
         )
         if any(hooks):
             return False

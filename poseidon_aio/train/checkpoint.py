@@ -40,7 +40,14 @@ def write(root: str, clock: int, rank: int, world: int, model_digest: str, state
     blob = buf.getvalue()
     data = where / f"rank-{rank}.pt"
     write_atomic(data, blob)
-    meta = {"format": FORMAT, "clock": clock, "rank": rank, "world": world, "model": model_digest, "sha256": hashlib.sha256(blob).hexdigest()}
+    meta = {
+        "format": FORMAT,
+        "clock": clock,
+        "rank": rank,
+        "world": world,
+        "model": model_digest,
+        "sha256": hashlib.sha256(blob).hexdigest(),
+    }
     write_atomic(where / f"rank-{rank}.json", json.dumps(meta).encode())
     fsync_dir(where)
     return data
@@ -65,7 +72,12 @@ def complete_clocks(root: str, rank: int, world: int, model_digest: str) -> list
         except ValueError:
             continue
         meta = _meta(root, clock, rank)
-        if meta and meta.get("world") == world and meta.get("model") == model_digest and (where / f"rank-{rank}.pt").is_file():
+        if (
+            meta
+            and meta.get("world") == world
+            and meta.get("model") == model_digest
+            and (where / f"rank-{rank}.pt").is_file()
+        ):
             clocks.append(clock)
     return sorted(clocks)
 

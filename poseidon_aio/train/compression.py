@@ -37,7 +37,9 @@ def message_bytes(layer: Layer, scheme: Scheme, config: Optional[CompressionConf
     return sum(p.numel() * p.element_size() for _, p in layer.params)
 
 
-async def agreed_planner(config: Optional[CompressionConfig], rdzv, rank: int, world: int, run: Callable[..., Awaitable]) -> Optional[LossyPlanner]:
+async def agreed_planner(
+    config: Optional[CompressionConfig], rdzv, rank: int, world: int, run: Callable[..., Awaitable]
+) -> Optional[LossyPlanner]:
     """The lossy planner every rank uses: ``None`` without compression or with one worker.
 
     Every rank checks that all hold the same settings (a rank asking for another PowerSGD rank
@@ -71,7 +73,9 @@ def checkpoint_state(feedback: Feedback, config: Optional[CompressionConfig]) ->
     }
 
 
-def restore_state(feedback: Feedback, config: Optional[CompressionConfig], saved: Optional[dict], schemes: dict) -> None:
+def restore_state(
+    feedback: Feedback, config: Optional[CompressionConfig], saved: Optional[dict], schemes: dict
+) -> None:
     """Put a checkpoint's error-feedback state back.
 
     Args:
@@ -86,8 +90,9 @@ def restore_state(feedback: Feedback, config: Optional[CompressionConfig], saved
     mine = config.settings() if config is not None else ""
     if lossy and saved.get("settings", "") != mine:
         raise CheckpointError(
-            f"the checkpoint syncs layers {lossy[:4]}{' ...' if len(lossy) > 4 else ''} by lossy schemes under the compression "
-            f"settings {saved.get('settings') or 'none'}; this trainer has {mine or 'none'}: resume with the same compression"
+            f"the checkpoint syncs layers {lossy[:4]}{' ...' if len(lossy) > 4 else ''} by lossy schemes under the "
+            f"compression settings {saved.get('settings') or 'none'}; this trainer has {mine or 'none'}: "
+            "resume with the same compression"
         )
     feedback.load({k: v.numpy() for k, v in (saved.get("state") or {}).items()})
 

@@ -93,7 +93,9 @@ class Dispatch:
         self._held_lock = threading.Lock()  # a GPU backward may run hooks on several threads
         self._loop = asyncio.get_running_loop()
         self.ready = {layer.index: GradReady(layer, self._on_ready_threadsafe) for layer in layers}
-        self.captures = {layer.index: FactorCapture(layer, self._on_ready_threadsafe) for layer in layers if layer.factorable}
+        self.captures = {
+            layer.index: FactorCapture(layer, self._on_ready_threadsafe) for layer in layers if layer.factorable
+        }
 
     def route(self, plan: SchemePlan, syncers: dict) -> None:
         """Send the layers by ``plan`` through ``syncers``, from the next step."""
@@ -176,7 +178,13 @@ class Dispatch:
         label = f"{self.layers[last].name}..{self.layers[first].name}"
         span = Span(label, scheme, max(r for _, r in held), time.perf_counter())
         ids = [i for layer, _ in held for i in layer.param_ids]
-        self._start(state, scheme, span, lambda: syncer.start_group([self._bucket(state, layer, scheme) for layer, _ in held], state.clock), ids)
+        self._start(
+            state,
+            scheme,
+            span,
+            lambda: syncer.start_group([self._bucket(state, layer, scheme) for layer, _ in held], state.clock),
+            ids,
+        )
 
     def _launch(self, state: StepState, layer: Layer, ready_at: Optional[float] = None) -> None:
         if layer.index in state.launched:
@@ -189,11 +197,25 @@ class Dispatch:
         scheme = self.plan.schemes[layer.index]
         span = Span(layer.name, scheme, state.ready_at[layer.index], time.perf_counter())
         if self.gpu:  # the host copies wait on CUDA streams: off the loop
-            self._start(state, scheme, span, lambda: asyncio.ensure_future(self._staged_sync(state, layer, scheme)), layer.param_ids)
+            self._start(
+                state,
+                scheme,
+                span,
+                lambda: asyncio.ensure_future(self._staged_sync(state, layer, scheme)),
+                layer.param_ids,
+            )
         else:  # CPU tensors are their own host buffers: start at once, no task of our own
-            self._start(state, scheme, span, lambda: self.syncers[scheme].start(self._bucket(state, layer, scheme), state.clock), layer.param_ids)
+            self._start(
+                state,
+                scheme,
+                span,
+                lambda: self.syncers[scheme].start(self._bucket(state, layer, scheme), state.clock),
+                layer.param_ids,
+            )
 
-    def _start(self, state: StepState, scheme: Scheme, span: Span, start: Callable[[], asyncio.Future], ids: list) -> None:
+    def _start(
+        self, state: StepState, scheme: Scheme, span: Span, start: Callable[[], asyncio.Future], ids: list
+    ) -> None:
         """Start one sync of ``state``'s step (``start()``: its syncer's call), traced by ``span``;
         it lands the parameters ``ids`` (manifest indices)."""
         state.spans.append(span)
@@ -241,7 +263,9 @@ class Dispatch:
             if fu is not u or fv is not v:  # the event marks u and v, not a cast made here
                 event = None
             u, v = self.staging.host(("u", layer.index), fu, event), self.staging.host(("v", layer.index), fv, event)
-            return Bucket(layer.name, [layer.index], layer.param_ids, outs, factors=(u, v), shape=(m, n), priority=priority)
+            return Bucket(
+                layer.name, [layer.index], layer.param_ids, outs, factors=(u, v), shape=(m, n), priority=priority
+            )
         grads = []
         for i, (_, p) in zip(layer.param_ids, layer.params):
             g, event = state.taken.pop(i, None) or (p.grad, None)

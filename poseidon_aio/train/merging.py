@@ -30,7 +30,9 @@ class MergeTuning:
         merge_info: the plan in force when a checkpoint was taken (``{}``: none).
     """
 
-    def __init__(self, settings: Settings, planning: Planning, rebuild: Callable[[dict], Awaitable[None]], merge_info: dict) -> None:
+    def __init__(
+        self, settings: Settings, planning: Planning, rebuild: Callable[[dict], Awaitable[None]], merge_info: dict
+    ) -> None:
         self.settings = settings
         self.planning = planning
         self.rebuild = rebuild
@@ -48,7 +50,8 @@ class MergeTuning:
             shards = self.settings.ps.shards_for(p.world)
             self.runtimes = {
                 scheme: MergeRuntime(merge, p.rank, p.world, shards, scheme, p.calibration)
-                for scheme in p.plan.mergeable() if len(p.plan.layers_of(scheme)) > 1 and not saved.get(scheme.value)
+                for scheme in p.plan.mergeable()
+                if len(p.plan.layers_of(scheme)) > 1 and not saved.get(scheme.value)
             }
 
     def begin(self, clock: int) -> None:
@@ -91,7 +94,16 @@ class MergeTuning:
             layers = [layer.index for layer in p.plan.layers_of(scheme)]
             spans = [(s.start, s.end) for s in state.spans if s.scheme is scheme and s.end]
             nbytes = sum(lossy.message_bytes(p.layers[i], scheme, compression) for i in layers)
-            runtime.record(state.forward_end - state.started, state.forward_end, state.ready_at, layers, spans, nbytes, per_message, serial)
+            runtime.record(
+                state.forward_end - state.started,
+                state.forward_end,
+                state.ready_at,
+                layers,
+                spans,
+                nbytes,
+                per_message,
+                serial,
+            )
 
     async def _replan(self, clock: int) -> None:
         """Adopt the merge plans every rank agreed on (with trials: the first plan to try): the
@@ -105,7 +117,13 @@ class MergeTuning:
                 groups[scheme] = p.groups_in_force(scheme)
                 continue
             sizes = [lossy.message_bytes(layer, scheme, self.settings.compression) for layer in layers]
-            info = await runtime.agree(p.job.rendezvous, p.generation, [layer.index for layer in layers], [layer.name for layer in layers], sizes)
+            info = await runtime.agree(
+                p.job.rendezvous,
+                p.generation,
+                [layer.index for layer in layers],
+                [layer.name for layer in layers],
+                sizes,
+            )
             by_name = {layer.name: layer.index for layer in layers}
             # Layers 1..L run from the input: group members are listed input side first; keep the
             # model's order inside each group.
@@ -116,7 +134,9 @@ class MergeTuning:
         trials = candidate_plans(groups, candidates) if self.settings.merge.trial else []
         await self.rebuild(trials[0].plan if trials else groups)
         self._set_info(infos)
-        log.info("rank %d: merge plans %s", p.rank, {k: [c["groups"] for c in v["candidates"]] for k, v in infos.items()})
+        log.info(
+            "rank %d: merge plans %s", p.rank, {k: [c["groups"] for c in v["candidates"]] for k, v in infos.items()}
+        )
         self.trial.planned(trials, clock)
 
     @staticmethod
@@ -139,15 +159,28 @@ class MergeTuning:
             if verdict.rebuild:  # the fastest is not the one running now
                 await self.rebuild(plan)
             self._set_info(infos, trial=figures)
-            log.info("rank %d: merge plan (%s) kept: %.1f ms a step against %.1f unmerged", p.rank, planner, figures["planned_s"] * 1e3, figures["unmerged_s"] * 1e3)
+            log.info(
+                "rank %d: merge plan (%s) kept: %.1f ms a step against %.1f unmerged",
+                p.rank,
+                planner,
+                figures["planned_s"] * 1e3,
+                figures["unmerged_s"] * 1e3,
+            )
             return
         await self.rebuild(p.unmerged())
         for name, info in infos.items():
-            info["rejected_groups"], info["groups"] = info["groups"], [[layer.name] for layer in p.plan.layers_of(Scheme(name))]
+            info["rejected_groups"], info["groups"] = (
+                info["groups"],
+                [[layer.name] for layer in p.plan.layers_of(Scheme(name))],
+            )
         self._set_info(infos, trial=figures)
         log.warning(
-            "rank %d: the fastest merge plan (%s) ran %.1f ms a step against %.1f with one message per layer; back to one per layer",
-            p.rank, planner, figures["planned_s"] * 1e3, figures["unmerged_s"] * 1e3,
+            "rank %d: the fastest merge plan (%s) ran %.1f ms a step against %.1f with one message per layer; "
+            "back to one per layer",
+            p.rank,
+            planner,
+            figures["planned_s"] * 1e3,
+            figures["unmerged_s"] * 1e3,
         )
 
     def _set_info(self, infos: dict, **extra) -> None:
@@ -165,4 +198,3 @@ def runqueue_wait() -> float:
             return int(f.read().split()[1]) * 1e-9
     except (OSError, ValueError, IndexError):
         return 0.0
-

@@ -43,7 +43,18 @@ class Planning:
         feedback: the lossy schemes' error feedback, kept across rebuilds.
     """
 
-    def __init__(self, settings: Settings, layers: list, named: list, job: Job, staging: Staging, compute, reduce, shaper, feedback: Feedback) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        layers: list,
+        named: list,
+        job: Job,
+        staging: Staging,
+        compute,
+        reduce,
+        shaper,
+        feedback: Feedback,
+    ) -> None:
         self.settings = settings
         self.layers = layers
         self.named = named
@@ -72,7 +83,9 @@ class Planning:
         s = self.settings
         if self.world > 1 and (s.merge.planned or s.mode is Mode.POSEIDON):
             cpu: list = []
-            self.calibration = await calibrate(self.rank, self.world, self.job.peers, s.merge.calibration_sizes, s.ps.sync_timeout, cpu)
+            self.calibration = await calibrate(
+                self.rank, self.world, self.job.peers, s.merge.calibration_sizes, s.ps.sync_timeout, cpu
+            )
             self.loop_cpu_per_byte = loop_cpu_per_byte(cpu)
         if self.world > 1 and s.mode is Mode.POSEIDON:
             loop = asyncio.get_running_loop()
@@ -84,7 +97,9 @@ class Planning:
         s = self.settings
         if restored:
             if set(restored) != {layer.name for layer in self.layers}:
-                raise CheckpointError(f"rank {self.rank}: the checkpoint's scheme plan names other layers than this model has")
+                raise CheckpointError(
+                    f"rank {self.rank}: the checkpoint's scheme plan names other layers than this model has"
+                )
             by_name = restored
         else:
             loop = asyncio.get_running_loop()
@@ -95,9 +110,17 @@ class Planning:
             planner = await lossy.agreed_planner(s.compression, self.job.rendezvous, self.rank, self.world, on_compute)
             stated = s.compression.link if s.compression is not None else None
             by_name = choose_schemes(
-                [lossy.plan_layer(layer) for layer in self.layers], k, mode=s.mode, workers=self.world,
-                shards=s.ps.shards_for(self.world), overrides=s.overrides, link=stated or await self.agreed_link(),
-                candidates=s.hybcomm, chunk_bytes=s.ps.chunk_bytes, compression=planner, report=self.compression_plan,
+                [lossy.plan_layer(layer) for layer in self.layers],
+                k,
+                mode=s.mode,
+                workers=self.world,
+                shards=s.ps.shards_for(self.world),
+                overrides=s.overrides,
+                link=stated or await self.agreed_link(),
+                candidates=s.hybcomm,
+                chunk_bytes=s.ps.chunk_bytes,
+                compression=planner,
+                report=self.compression_plan,
             )
             if self.compression_plan:
                 log.info("rank %d: lossy plan\n%s", self.rank, lossy.describe(self.compression_plan))
@@ -118,7 +141,10 @@ class Planning:
             if saved.get(scheme.value):
                 by_layer = {layer.name: layer.index for layer in self.plan.layers_of(scheme)}
                 if sorted(n for g in saved[scheme.value] for n in g) != sorted(by_layer):
-                    raise CheckpointError(f"rank {self.rank}: the checkpoint's {scheme.value} merge plan names other layers than this model syncs by {scheme.value}")
+                    raise CheckpointError(
+                        f"rank {self.rank}: the checkpoint's {scheme.value} merge plan names other layers than this "
+                        f"model syncs by {scheme.value}"
+                    )
                 groups[scheme] = [[by_layer[n] for n in g] for g in saved[scheme.value]]
         return groups
 
@@ -149,9 +175,18 @@ class Planning:
         if on_ps:
             await self._start_ps(on_ps, ps_index, groups.get(Scheme.PS, []), clock, saved_shard)
         ctx = SyncContext(
-            self.rank, self.world, self.job.peers, s.ps.sync_timeout, node=self.node, ps_index=ps_index,
-            reconstruct=kernels.reconstruct, executor=self.reduce, chunk_bytes=s.ps.chunk_bytes,
-            allreduce=s.allreduce.algorithm, compression=s.compression, feedback=self.feedback,
+            self.rank,
+            self.world,
+            self.job.peers,
+            s.ps.sync_timeout,
+            node=self.node,
+            ps_index=ps_index,
+            reconstruct=kernels.reconstruct,
+            executor=self.reduce,
+            chunk_bytes=s.ps.chunk_bytes,
+            allreduce=s.allreduce.algorithm,
+            compression=s.compression,
+            feedback=self.feedback,
         )
         syncers = {scheme: syncer_class(scheme).build(ctx) for scheme in self.plan.used()}
         if s.merge.kind is not MergeKind.NONE:
@@ -195,13 +230,18 @@ class Planning:
         merged = {scheme: syncer for scheme, syncer in self.syncers.items() if isinstance(syncer, Merging)}
         return {
             "schemes": dict(self.plan.names) if self.plan else {},
-            "groups": {scheme.value: [[self.layers[i].name for i in g] for g in syncer.groups] for scheme, syncer in merged.items()},
+            "groups": {
+                scheme.value: [[self.layers[i].name for i in g] for g in syncer.groups]
+                for scheme, syncer in merged.items()
+            },
             "shard": self.node.shard.state() if self.node is not None and self.node.shard is not None else {},
         }
 
     def groups_in_force(self, scheme: Scheme) -> list:
         syncer = self.syncers[scheme]
-        return syncer.groups if isinstance(syncer, Merging) else [[layer.index] for layer in self.plan.layers_of(scheme)]
+        return (
+            syncer.groups if isinstance(syncer, Merging) else [[layer.index] for layer in self.plan.layers_of(scheme)]
+        )
 
     def measure_rows(self, batch, model, loss, captures: dict) -> dict:
         """K per layer in one forward of ``batch`` (``loss(batch)`` runs ``model``): an FC layer's
@@ -213,7 +253,11 @@ class Planning:
         def count(layer, module, inputs):
             tokens.setdefault(layer.name, []).append(inputs[0].detach().reshape(-1))
 
-        hooks = [layer.module.register_forward_pre_hook(functools.partial(count, layer)) for layer in self.layers if layer.row_sparse]
+        hooks = [
+            layer.module.register_forward_pre_hook(functools.partial(count, layer))
+            for layer in self.layers
+            if layer.row_sparse
+        ]
         was = model.training
         model.train(False)  # evaluation mode: no side effects on BatchNorm statistics
         try:
@@ -234,11 +278,19 @@ class Planning:
         config = self.settings.ps
         if names and config.group_spread_bytes is None:  # one value on every rank: rank 0's link
             link = await self.agreed_link()
-            config = replace(config, group_spread_bytes=spread_bytes_for(link.alpha, link.beta, config.shards_for(self.world)))
+            config = replace(
+                config, group_spread_bytes=spread_bytes_for(link.alpha, link.beta, config.shards_for(self.world))
+            )
         self.node = await PSNode.start(
-            manifest, config, net=self.settings.net, groups=names or None, start_clock=clock,
-            rendezvous=self.job.rendezvous.scoped(f"ps{self.generation}"), process_shaper=self.shaper,
-            factored=factored or None, shard_state={k: v.numpy() for k, v in saved.items()} if saved else None,
+            manifest,
+            config,
+            net=self.settings.net,
+            groups=names or None,
+            start_clock=clock,
+            rendezvous=self.job.rendezvous.scoped(f"ps{self.generation}"),
+            process_shaper=self.shaper,
+            factored=factored or None,
+            shard_state={k: v.numpy() for k, v in saved.items()} if saved else None,
         )
         self._shard_bytes_seen = 0
         if self.settings.ps.server_sgd is not None and not self.node.resumed and self.rank == 0:

@@ -53,9 +53,17 @@ class Settings:
 
 
 def resolve(
-    mode, ps: Optional[PSConfig], net: Optional[NetConfig], merge: Optional[MergeConfig], compression, schemes: Optional[dict],
-    hybcomm=HYBCOMM_SCHEMES, allreduce: Optional[AllReduceConfig] = None, optimizer: Optional[OptimizerConfig] = None,
-    startup: Optional[StartupConfig] = None, broadcast_buffers: bool = True,
+    mode,
+    ps: Optional[PSConfig],
+    net: Optional[NetConfig],
+    merge: Optional[MergeConfig],
+    compression,
+    schemes: Optional[dict],
+    hybcomm=HYBCOMM_SCHEMES,
+    allreduce: Optional[AllReduceConfig] = None,
+    optimizer: Optional[OptimizerConfig] = None,
+    startup: Optional[StartupConfig] = None,
+    broadcast_buffers: bool = True,
 ) -> Settings:
     """The trainer's settings, defaults filled in and checked against each other.
 
@@ -83,16 +91,32 @@ def resolve(
         merging = mode in (Mode.MGWFBP, Mode.POSEIDON) and ps.server_sgd is None
         merge = replace(merge, kind=MergeKind.BEST if merging else MergeKind.NONE)
     if merge.kind is not MergeKind.NONE and mode in (Mode.NAIVE, Mode.WFBP):
-        raise ConfigError(f"MergeConfig.kind: mode {mode.value!r} sends every layer on its own; merging is mode 'mgwfbp' or 'poseidon'")
+        raise ConfigError(
+            f"MergeConfig.kind: mode {mode.value!r} sends every layer on its own; "
+            "merging is mode 'mgwfbp' or 'poseidon'"
+        )
     try:
         hybcomm = tuple(Scheme(c) for c in hybcomm)
     except ValueError:
-        raise ConfigError(f"Trainer(hybcomm=...) names a scheme that does not exist: {list(hybcomm)}; known: {[s.value for s in Scheme]}") from None
+        raise ConfigError(
+            f"Trainer(hybcomm=...) names a scheme that does not exist: {list(hybcomm)}; "
+            f"known: {[s.value for s in Scheme]}"
+        ) from None
     compression = CompressionConfig.of(compression)
     if compression is not None and mode is not Mode.POSEIDON:
-        raise ConfigError(f"Trainer(compression=...) is weighed per layer by HybComm: use mode 'poseidon', not {mode.value!r}")
+        raise ConfigError(
+            f"Trainer(compression=...) is weighed per layer by HybComm: use mode 'poseidon', not {mode.value!r}"
+        )
     return Settings(
-        mode=mode, ps=ps, net=net, merge=merge, compression=compression, overrides=dict(schemes or {}), hybcomm=hybcomm,
-        allreduce=allreduce or AllReduceConfig(), optimizer=optimizer or OptimizerConfig(), startup=startup or StartupConfig(),
+        mode=mode,
+        ps=ps,
+        net=net,
+        merge=merge,
+        compression=compression,
+        overrides=dict(schemes or {}),
+        hybcomm=hybcomm,
+        allreduce=allreduce or AllReduceConfig(),
+        optimizer=optimizer or OptimizerConfig(),
+        startup=startup or StartupConfig(),
         broadcast_buffers=broadcast_buffers,
     )

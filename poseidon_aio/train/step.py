@@ -45,8 +45,26 @@ class StepState:
     """One iteration in flight: its layer syncs and where their results land."""
 
     __slots__ = (
-        "clock", "syncs", "launched", "deferred", "agg", "compute_done", "started", "forward_end", "compute_end",
-        "spans", "work", "ready_at", "bytes", "dropped", "unused", "held", "done", "taken", "sync_ids", "stepped",
+        "clock",
+        "syncs",
+        "launched",
+        "deferred",
+        "agg",
+        "compute_done",
+        "started",
+        "forward_end",
+        "compute_end",
+        "spans",
+        "work",
+        "ready_at",
+        "bytes",
+        "dropped",
+        "unused",
+        "held",
+        "done",
+        "taken",
+        "sync_ids",
+        "stepped",
     )
 
     def __init__(self, clock: int, started: float, agg: dict) -> None:

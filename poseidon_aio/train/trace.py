@@ -36,9 +36,9 @@ _PINGS = 8
 @dataclass
 class TraceConfig:
     """Args:
-        path: where rank 0 writes the trace on close; default ``$POSEIDON_TRACE``
-            (``poseidon-aio run --trace PATH``), none: nothing is recorded.
-        ring: the most events each rank keeps (its newest); ~150 bytes each.
+    path: where rank 0 writes the trace on close; default ``$POSEIDON_TRACE``
+        (``poseidon-aio run --trace PATH``), none: nothing is recorded.
+    ring: the most events each rank keeps (its newest); ~150 bytes each.
     """
 
     path: Optional[str] = None
@@ -63,8 +63,8 @@ class Span:
 
 class Tracer:
     """Args:
-        config: :class:`TraceConfig`.
-        rank, world: this worker and how many there are.
+    config: :class:`TraceConfig`.
+    rank, world: this worker and how many there are.
     """
 
     def __init__(self, config: TraceConfig, rank: int = 0, world: int = 1) -> None:
@@ -86,12 +86,43 @@ class Tracer:
             return
         us = lambda t: round((t - self._t0) * 1e6, 1)  # noqa: E731
         pid, ev = self.rank, self.events
-        ev.append({"name": f"forward+backward {clock}", "ph": "X", "pid": pid, "tid": "compute", "ts": us(started), "dur": us(compute_end) - us(started)})
+        ev.append(
+            {
+                "name": f"forward+backward {clock}",
+                "ph": "X",
+                "pid": pid,
+                "tid": "compute",
+                "ts": us(started),
+                "dur": us(compute_end) - us(started),
+            }
+        )
         for s in spans:
-            ev.append({"name": f"{s.label} ready", "ph": "i", "s": "t", "pid": pid, "tid": "compute", "ts": us(s.ready)})
-            ev.append({"name": f"sync {s.label} ({s.scheme.value})", "ph": "X", "pid": pid, "tid": f"sync {s.scheme.value}", "ts": us(s.start), "dur": us(s.end or done) - us(s.start), "args": {"clock": clock}})
+            ev.append(
+                {"name": f"{s.label} ready", "ph": "i", "s": "t", "pid": pid, "tid": "compute", "ts": us(s.ready)}
+            )
+            ev.append(
+                {
+                    "name": f"sync {s.label} ({s.scheme.value})",
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": f"sync {s.scheme.value}",
+                    "ts": us(s.start),
+                    "dur": us(s.end or done) - us(s.start),
+                    "args": {"clock": clock},
+                }
+            )
         for what, start, end, *where in work:  # (what, start, end[, thread]): SFB's rebuilds by default
-            ev.append({"name": what, "ph": "X", "pid": pid, "tid": where[0] if where else "rebuild", "ts": us(start), "dur": us(end) - us(start), "args": {"clock": clock}})
+            ev.append(
+                {
+                    "name": what,
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": where[0] if where else "rebuild",
+                    "ts": us(start),
+                    "dur": us(end) - us(start),
+                    "args": {"clock": clock},
+                }
+            )
 
     async def align(self, peers, timeout: float) -> None:
         """Put this rank's timestamps in rank 0's time base: of ``_PINGS`` round trips to rank 0,
@@ -99,6 +130,7 @@ class Tracer:
         if self.world == 1 or not self.on:
             return
         if self.rank == 0:
+
             async def serve(conn) -> None:
                 for i in range(_PINGS):
                     await asyncio.wait_for(conn.expect(Kind.DATA, _KEY, i), timeout)
@@ -108,7 +140,9 @@ class Tracer:
             try:
                 await asyncio.gather(*(serve(conn) for conn in peers.values()))
             except TimeoutError:
-                raise SyncTimeout(f"rank 0: a rank did not time its trace clock against rank 0 within {timeout} s") from None
+                raise SyncTimeout(
+                    f"rank 0: a rank did not time its trace clock against rank 0 within {timeout} s"
+                ) from None
             return
         conn = peers[0]
         best = None
@@ -119,7 +153,9 @@ class Tracer:
             try:
                 frame = await asyncio.wait_for(reply, timeout)
             except TimeoutError:
-                raise SyncTimeout(f"rank {self.rank}: rank 0 did not answer a trace clock ping within {timeout} s") from None
+                raise SyncTimeout(
+                    f"rank {self.rank}: rank 0 did not answer a trace clock ping within {timeout} s"
+                ) from None
             back = time.perf_counter()
             remote, origin = np.frombuffer(frame.payload, dtype=np.float64)
             if best is None or back - sent < best[0]:
@@ -145,10 +181,17 @@ class Tracer:
         if gathered and self.rank != 0:
             try:
                 payload = json.dumps(mine).encode()
-                await asyncio.wait_for(peers[0].send(Kind.DATA, payload, key=_KEY, clock=_GATHER_CLOCK, dtype=DType.JSON), timeout)
+                await asyncio.wait_for(
+                    peers[0].send(Kind.DATA, payload, key=_KEY, clock=_GATHER_CLOCK, dtype=DType.JSON), timeout
+                )
                 return
             except (PoseidonError, TimeoutError) as exc:
-                log.warning("rank %d: could not send the trace to rank 0 (%s); writing %s", self.rank, exc, self._file(self.rank))
+                log.warning(
+                    "rank %d: could not send the trace to rank 0 (%s); writing %s",
+                    self.rank,
+                    exc,
+                    self._file(self.rank),
+                )
                 gathered = False
         if gathered:
             waits = {r: conn.expect(Kind.DATA, _KEY, _GATHER_CLOCK) for r, conn in peers.items()}

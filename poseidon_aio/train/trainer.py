@@ -22,7 +22,7 @@ from torch import nn
 
 from ..cluster import ClusterEnv, Manifest, Rendezvous, StartupConfig
 from ..cluster.job import Job
-from ..errors import CheckpointError, ConfigError
+from ..errors import ConfigError
 from ..net import NetConfig, Shaper
 from ..net.credentials import config_from_env
 from ..ps import PSConfig
@@ -111,7 +111,6 @@ class Trainer:
         self.settings = resolve(mode, *configs, broadcast_buffers)
         self.model, self.optimizer = model, optimizer
         self.loss_fn, self.batch_loss = loss_fn, batch_loss
-        self.mode = self.settings.mode
         #: Error feedback of the lossy schemes, per layer (kept across syncer rebuilds, checkpointed).
         self.feedback = Feedback()
         self.tracer = Tracer(trace or TraceConfig())
@@ -130,10 +129,9 @@ class Trainer:
         self._dispatch: Optional[Dispatch] = None
         self._planning: Optional[Planning] = None
         self._merging: Optional[MergeTuning] = None
-        self._started = self._planned = False
+        self._started = False
         self._inflight: list = []  # steps whose syncs may still be moving (SSP)
         self._restored: dict = {}
-        self._merge_info: dict = {}
 
     # -- life -------------------------------------------------------------------------------
 
@@ -188,10 +186,14 @@ class Trainer:
         # Every parameter, frozen ones too, and every buffer: replicas must start identical.
         await self._replicas.broadcast([*self.model.parameters(), *self._buffers])
         self._aggregates = Aggregates([p for _, p in self._named], s.ps.staleness, self.staging)
-        self._dispatch = Dispatch(self.layers, self.mode, self.staging, self._aggregates, self._reduce)
-        self._applier = Applier(s, self.optimizer, self._named, self.staging, self._aggregates, self._compute, self._dispatch.gpu)
+        self._dispatch = Dispatch(self.layers, self.settings.mode, self.staging, self._aggregates, self._reduce)
+        self._applier = Applier(
+            s, self.optimizer, self._named, self.staging, self._aggregates, self._compute, self._dispatch.gpu
+        )
         executors = (self._compute, self._reduce)
-        self._planning = Planning(s, self.layers, self._named, self._job, self.staging, *executors, shaper, self.feedback)
+        self._planning = Planning(
+            s, self.layers, self._named, self._job, self.staging, *executors, shaper, self.feedback
+        )
         await self._planning.calibrate()
         self._started = True
 
@@ -240,9 +242,13 @@ class Trainer:
         # The snapshot is taken before the barrier below, so no rank can push the next clock into
         # its shard before its state is copied.
         compression = lossy.checkpoint_state(self.feedback, self.settings.compression)
-        state = checkpoint.snapshot(self.clock, self.model, self.optimizer, p.saved_plans(), self.merge_info, compression)
+        state = checkpoint.snapshot(
+            self.clock, self.model, self.optimizer, p.saved_plans(), self.merge_info, compression
+        )
         clock, loop, digest = self.clock, asyncio.get_running_loop(), self._manifest.digest()
-        await loop.run_in_executor(self._compute, checkpoint.write, directory, clock, self.rank, self.world, digest, state)
+        await loop.run_in_executor(
+            self._compute, checkpoint.write, directory, clock, self.rank, self.world, digest, state
+        )
         await self._job.rendezvous.barrier(f"checkpoint/{clock}")
         await loop.run_in_executor(self._compute, checkpoint.prune, directory, self.rank, keep)
         log.info("rank %d: checkpoint at clock %d in %s", self.rank, clock, directory)
@@ -259,17 +265,18 @@ class Trainer:
                 model or world size (the message names the ranks and clocks).
             ConfigError: called before :meth:`start` or after a step.
         """
-        if not self._started or self._planned:
+        if not self._started or self._merging is not None:
             raise ConfigError("restore() goes after start() and before the first step")
         on_compute = functools.partial(asyncio.get_running_loop().run_in_executor, self._compute)
         digest = self._manifest.digest()
-        clock = await checkpoint.newest_everywhere(directory, self._job.rendezvous, self.rank, self.world, digest, on_compute)
+        clock = await checkpoint.newest_everywhere(
+            directory, self._job.rendezvous, self.rank, self.world, digest, on_compute
+        )
         state = await on_compute(checkpoint.read, directory, clock, self.rank)
         checkpoint.load(state, self.model, self.optimizer)
         schemes = state.get("schemes") or {}
         lossy.restore_state(self.feedback, self.settings.compression, state.get("compression"), schemes)
         self.clock = clock
-        self._merge_info = json.loads(state["merge_info"])
         self._restored = state
         log.info("rank %d: resumed from the checkpoint at clock %d in %s", self.rank, clock, directory)
         return clock
@@ -288,7 +295,7 @@ class Trainer:
             ConfigError: called before :meth:`start`, or a batch ``loss_fn`` cannot take.
         """
         self._check(batch)
-        if not self._planned:
+        if self._merging is None:  # the first step plans
             await self._plan(batch)
         state = StepState(self.clock, time.perf_counter(), self._aggregates.of(self.clock))
         self._merging.begin(state.clock)
@@ -320,11 +327,10 @@ class Trainer:
         """Every layer's scheme (the same on every rank), the syncers, and MG-WFBP's measurement."""
         p, saved = self._planning, self._restored.get("groups") or {}
         plan = await p.choose(batch, self.model, self._loss, self._dispatch.captures, self._restored.get("schemes"))
-        self._merging = MergeTuning(self.settings, p, self._rebuild, self._merge_info)
+        self._merging = MergeTuning(self.settings, p, self._rebuild, self.merge_info)
         self._dispatch.route(plan, await p.build(p.first_groups(saved), self.clock, self._restored.get("shard")))
         self._applier.plan, self._applier.server_owned = plan, p.server_owned
         self._merging.start(saved)
-        self._planned = True
 
     async def _rebuild(self, groups: dict) -> None:
         """New syncers (and a new parameter server) with these merge groups, from the next clock."""
@@ -376,7 +382,7 @@ class Trainer:
     @property
     def merge_info(self) -> dict:
         """The merge plan in force: groups of layer names, the fitted model, the predicted times."""
-        return self._merging.info if self._merging is not None else self._merge_info
+        return self._merging.info if self._merging is not None else json.loads(self._restored.get("merge_info", "{}"))
 
     @property
     def merge_groups(self) -> list:

@@ -93,9 +93,7 @@ def encode_header(
         raise LocalProtocolError(f"cannot encode unknown payload dtype {dtype}")
     length = _check_field("length", length, U64_MAX)
     if length % itemsize:
-        raise LocalProtocolError(
-            f"payload of {length} bytes is not a whole number of {DType(dtype).name} items"
-        )
+        raise LocalProtocolError(f"payload of {length} bytes is not a whole number of {DType(dtype).name} items")
     body = _pack(
         MAGIC,
         VERSION,
@@ -178,9 +176,7 @@ def frame_parts(
     (40, b'abc')
     """
     view = byte_view(payload)
-    header = encode_header(
-        kind, rank=rank, key=key, clock=clock, length=view.nbytes, dtype=dtype, flags=flags
-    )
+    header = encode_header(kind, rank=rank, key=key, clock=clock, length=view.nbytes, dtype=dtype, flags=flags)
     return [header, view]
 
 
@@ -355,9 +351,7 @@ class FrameDecoder:
             if self._end - self._start < HEADER_SIZE:
                 return None
             try:
-                header = decode_header(
-                    self._view[self._start : self._start + HEADER_SIZE], self.max_payload
-                )
+                header = decode_header(self._view[self._start : self._start + HEADER_SIZE], self.max_payload)
                 self._start += HEADER_SIZE
                 self._header = header
                 self._set_destination(header)

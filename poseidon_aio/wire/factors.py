@@ -19,7 +19,9 @@ DTYPE = DType.FLOAT32
 def encode(u: np.ndarray, v: np.ndarray) -> list:
     """The payload parts of ``u`` (K×M) and ``v`` (K×N): gathered by the sender, not copied."""
     if u.dtype != np.float32 or v.dtype != np.float32 or u.shape[0] != v.shape[0]:
-        raise LocalProtocolError(f"factors must be float32 with as many rows: u {u.shape} {u.dtype}, v {v.shape} {v.dtype}")
+        raise LocalProtocolError(
+            f"factors must be float32 with as many rows: u {u.shape} {u.dtype}, v {v.shape} {v.dtype}"
+        )
     return [np.ascontiguousarray(u), np.ascontiguousarray(v)]
 
 

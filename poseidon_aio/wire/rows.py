@@ -53,7 +53,8 @@ def encode(indices: np.ndarray, rows: np.ndarray) -> list:
     """
     if indices.dtype != np.uint32 or rows.dtype != np.float32 or rows.ndim != 2 or indices.shape != (rows.shape[0],):
         raise LocalProtocolError(
-            f"rows payload: uint32 indices and as many float32 rows, got {indices.dtype} {indices.shape} and {rows.dtype} {rows.shape}"
+            "rows payload: uint32 indices and as many float32 rows, "
+            f"got {indices.dtype} {indices.shape} and {rows.dtype} {rows.shape}"
         )
     return [np.ascontiguousarray(indices), np.ascontiguousarray(rows)]
 
@@ -72,7 +73,8 @@ def decode(frame: Frame, vocab: int, width: int, *, what: str) -> tuple:
     length, row = frame.header.length, nbytes(1, width)
     if frame.header.dtype is not DTYPE or length % row or length // row > vocab:
         raise RemoteProtocolError(
-            f"rank {frame.rank} sent {length} bytes of {frame.header.dtype.name} for {what}: expected a whole number of rows "
+            f"rank {frame.rank} sent {length} bytes of {frame.header.dtype.name} for {what}: "
+            "expected a whole number of rows "
             f"of {row} bytes of BYTES (a uint32 index and {width} float32 each), at most {vocab} of them "
             "— do the ranks build the same model?"
         )
@@ -83,7 +85,9 @@ def decode(frame: Frame, vocab: int, width: int, *, what: str) -> tuple:
     if k:
         top = int(indices.max())
         if top >= vocab:
-            raise RemoteProtocolError(f"rank {frame.rank} sent the row {top} for {what}, whose vocabulary is {vocab} rows")
+            raise RemoteProtocolError(
+                f"rank {frame.rank} sent the row {top} for {what}, whose vocabulary is {vocab} rows"
+            )
         if k > 1 and not bool(np.all(indices[1:] > indices[:-1])):
             i = int(np.argmin(indices[1:] > indices[:-1]))
             raise RemoteProtocolError(

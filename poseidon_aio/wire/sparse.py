@@ -45,7 +45,12 @@ def encode(dense: np.ndarray, indices: np.ndarray, values: np.ndarray) -> list:
     Raises:
         LocalProtocolError: wrong dtypes or lengths (a bug on this side).
     """
-    if dense.dtype != np.float32 or indices.dtype != np.uint32 or values.dtype != np.float32 or indices.shape != values.shape:
+    if (
+        dense.dtype != np.float32
+        or indices.dtype != np.uint32
+        or values.dtype != np.float32
+        or indices.shape != values.shape
+    ):
         raise LocalProtocolError(
             f"top-k payload: dense float32, indices uint32 and as many float32 values, got {dense.dtype}, "
             f"{indices.dtype} {indices.shape}, {values.dtype} {values.shape}"
@@ -82,7 +87,8 @@ def decode_layers(frame: Frame, layouts: Sequence[tuple], *, what: str, names: O
     if frame.header.dtype is not DTYPE or length != expected:
         counts = " and ".join(f"{dense} exact values and {k} index-value pairs" for dense, k, _ in layouts)
         raise RemoteProtocolError(
-            f"rank {frame.rank} sent {length} bytes of {frame.header.dtype.name} for {what}: expected {counts} ({expected} bytes of BYTES) "
+            f"rank {frame.rank} sent {length} bytes of {frame.header.dtype.name} for {what}: "
+            f"expected {counts} ({expected} bytes of BYTES) "
             "— do the ranks build the same model with the same top-k ratio?"
         )
     raw = np.frombuffer(frame.payload, dtype=np.uint8)
@@ -96,7 +102,9 @@ def decode_layers(frame: Frame, layouts: Sequence[tuple], *, what: str, names: O
         if k:
             top = int(indices.max())
             if top >= size:
-                raise RemoteProtocolError(f"rank {frame.rank} sent the index {top} for {where}, whose matrices hold {size} values")
+                raise RemoteProtocolError(
+                    f"rank {frame.rank} sent the index {top} for {where}, whose matrices hold {size} values"
+                )
             if k > 1 and not bool(np.all(indices[1:] > indices[:-1])):
                 i = int(np.argmin(indices[1:] > indices[:-1]))
                 raise RemoteProtocolError(

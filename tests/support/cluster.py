@@ -95,11 +95,18 @@ def collect(procs, out, timeout: float = 90.0, expect_errors: bool = False) -> d
         while len(results) + len(errors) < len(procs):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"workers {sorted(set(range(len(procs))) - set(results) - set(errors))} did not finish within {timeout} s")
+                raise TimeoutError(
+                    f"workers {sorted(set(range(len(procs))) - set(results) - set(errors))} "
+                    f"did not finish within {timeout} s"
+                )
             try:
                 rank, status, value = out.get(timeout=min(left, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results and r not in errors]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in results and r not in errors
+                ]
                 if dead and not expect_errors:
                     raise AssertionError(f"worker(s) {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
                 for r in dead:

@@ -119,7 +119,11 @@ class Fault:
             FaultKind.RESET: "reset",
         }.get(self.kind)
         if what is None:
-            span = "everything on" if self.black_hole else (f"{self.frames} frame(s)" if self.frames else f"{self.nbytes} B")
+            span = (
+                "everything on"
+                if self.black_hole
+                else (f"{self.frames} frame(s)" if self.frames else f"{self.nbytes} B")
+            )
             what = f"{self.kind.value} {span}"
         return f"{what} at {where} ({self.direction.value})"
 
@@ -309,7 +313,9 @@ class FaultStream:
 
     def finish(self) -> FaultCounters:
         """The counters, with the faults that never came due listed as unfired."""
-        self.counters.unfired = [str(f) for _, f in self._armed] + [str(f) for _, _, f in sorted(self._due, key=lambda d: d[:2])]
+        self.counters.unfired = [str(f) for _, f in self._armed] + [
+            str(f) for _, _, f in sorted(self._due, key=lambda d: d[:2])
+        ]
         return self.counters
 
     # -- frames -----------------------------------------------------------------------------
@@ -466,7 +472,9 @@ class FaultProxy:
     >>> # ...dial proxy.address...; await proxy.close(); proxy.counters(Direction.UP).fired
     """
 
-    def __init__(self, target: tuple, plan: FaultPlan, *, host: str = "127.0.0.1", connect_timeout: float = 5.0) -> None:
+    def __init__(
+        self, target: tuple, plan: FaultPlan, *, host: str = "127.0.0.1", connect_timeout: float = 5.0
+    ) -> None:
         self.target = (target[0], int(target[1]))
         self.plan = plan
         self.address: tuple = ("", 0)
@@ -537,7 +545,9 @@ class FaultProxy:
                     self._writers.discard(w)
             self._tasks.discard(task)
 
-    async def _pump(self, stream: FaultStream, src: asyncio.StreamReader, dst: asyncio.StreamWriter, ends: _Ends) -> None:
+    async def _pump(
+        self, stream: FaultStream, src: asyncio.StreamReader, dst: asyncio.StreamWriter, ends: _Ends
+    ) -> None:
         while True:
             try:
                 data = await src.read(_READ_BYTES)

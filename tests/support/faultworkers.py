@@ -26,7 +26,14 @@ from typing import Optional
 import numpy as np
 
 from poseidon_aio.cluster.rendezvous import ClusterEnv, Rendezvous
-from poseidon_aio.errors import ConnectionLost, PeerTimeout, RemoteProtocolError, StartupAborted, SyncTimeout, WorkerLeft
+from poseidon_aio.errors import (
+    ConnectionLost,
+    PeerTimeout,
+    RemoteProtocolError,
+    StartupAborted,
+    SyncTimeout,
+    WorkerLeft,
+)
 from poseidon_aio.net import NetConfig, run
 from poseidon_aio.ps import PSConfig, PSNode, ServerSGD
 
@@ -298,7 +305,9 @@ class CasePool:
                 self.kill()
                 missing = sorted(set(range(self.world)) - set(got))
                 what = f"case {name!r}" if name else "the pool's start"
-                raise AssertionError(f"{what}: ranks {missing} did not finish within {timeout:.0f} s (dead: {dead})") from None
+                raise AssertionError(
+                    f"{what}: ranks {missing} did not finish within {timeout:.0f} s (dead: {dead})"
+                ) from None
             if case == name:
                 got[rank] = outcome
         return got

@@ -1,4 +1,5 @@
-"""Worker bodies for the compression tests across real processes (run in child processes forked from the tests' fork server, tests/support/cluster.py)."""
+"""Worker bodies for the compression tests across real processes (run in child processes forked from the tests'
+fork server, tests/support/cluster.py)."""
 
 from __future__ import annotations
 
@@ -50,10 +51,17 @@ def lossy_checkpoint_worker(rank: int, runs: list, seed: int, steps: int):
             torch.manual_seed(seed + rank)
             model = Resumable()
             opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-            compression = CompressionConfig("auto", rank=2, ratio=0.05, min_elements=32, link=Link.of_bandwidth(12.5e6, 1e-4))
+            compression = CompressionConfig(
+                "auto", rank=2, ratio=0.05, min_elements=32, link=Link.of_bandwidth(12.5e6, 1e-4)
+            )
             trainer = poseidon_aio.Trainer(
-                model, opt, nn.functional.cross_entropy, rendezvous=rdzv.job(label), ps=PSConfig(sync_timeout=30),
-                compression=compression, schemes={"fc1": "powersgd", "conv": "topk", "fc2": "topk"},
+                model,
+                opt,
+                nn.functional.cross_entropy,
+                rendezvous=rdzv.job(label),
+                ps=PSConfig(sync_timeout=30),
+                compression=compression,
+                schemes={"fc1": "powersgd", "conv": "topk", "fc2": "topk"},
             )
             async with trainer:
                 start = await trainer.restore(directory) if os.path.isdir(directory) else 0
@@ -65,7 +73,9 @@ def lossy_checkpoint_worker(rank: int, runs: list, seed: int, steps: int):
                     if t == crash_after:
                         os._exit(137)
             out[label] = {
-                "start": start, "restored": restored, "schemes": stats.schemes,
+                "start": start,
+                "restored": restored,
+                "schemes": stats.schemes,
                 "state": {k: v.detach().numpy().copy() for k, v in model.state_dict().items()},
                 "feedback": trainer.feedback.state(),
             }

@@ -107,7 +107,14 @@ class MemTransport(asyncio.Transport):
 
 
 async def connected_pair(
-    client_config, server_config, *, seed: int = 0, max_chunk: int = 4096, process_shaper=None, client_rank: int = 0, server_rank: int = 1
+    client_config,
+    server_config,
+    *,
+    seed: int = 0,
+    max_chunk: int = 4096,
+    process_shaper=None,
+    client_rank: int = 0,
+    server_rank: int = 1,
 ):
     """Two Connections, handshake done, talking through memory."""
     loop = asyncio.get_running_loop()

@@ -80,9 +80,7 @@ def echo_server(pipe, token: bytes, tls: bool, overrides: dict) -> None:
                     Kind.AGGREGATE, frame.payload, key=frame.key, clock=frame.clock, dtype=frame.header.dtype
                 )
 
-        listener = await listen(
-            "127.0.0.1", 0, rank=1, config=net_config(token, tls, **overrides), on_connection=serve
-        )
+        listener = await listen("127.0.0.1", 0, rank=1, config=net_config(token, tls, **overrides), on_connection=serve)
         pipe.send(listener.address[1])
         await _wait_stop(pipe, listener)
         refused = _describe(listener.refused)

@@ -1,4 +1,5 @@
-"""Worker bodies for the parameter-server integration tests (run in child processes forked from the tests' fork server, tests/support/cluster.py)."""
+"""Worker bodies for the parameter-server integration tests (run in child processes forked from the tests' fork
+server, tests/support/cluster.py)."""
 
 from __future__ import annotations
 
@@ -168,4 +169,12 @@ def shard_process(rank: int, index_base: int, workers: int):
 
     from poseidon_aio.ps.server import serve_shard
 
-    return run(serve_shard(rank + index_base, master_addr="127.0.0.1", master_port=int(os.environ["MASTER_PORT"]), workers=workers, timeout=60))
+    return run(
+        serve_shard(
+            rank + index_base,
+            master_addr="127.0.0.1",
+            master_port=int(os.environ["MASTER_PORT"]),
+            workers=workers,
+            timeout=60,
+        )
+    )

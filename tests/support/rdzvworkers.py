@@ -1,4 +1,5 @@
-"""Entry points of the child processes of tests/test_rendezvous.py (started from the fork server of tests/support/cluster.py).
+"""Entry points of the child processes of tests/test_rendezvous.py (started from the fork server of
+tests/support/cluster.py).
 
 Each returns what it saw instead of raising, with times measured inside the child, so the test
 can bound the time to the error without counting the child's start-up (a torch import takes

@@ -1,4 +1,5 @@
-"""Models, data and worker bodies for the trainer tests (run in child processes forked from the tests' fork server, tests/support/cluster.py)."""
+"""Models, data and worker bodies for the trainer tests (run in child processes forked from the tests' fork server,
+tests/support/cluster.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ class TinyLM(nn.Module):
     def __init__(self, spec: dict) -> None:
         super().__init__()
         self.bag = spec.get("bag", False)  # an nn.EmbeddingBag (a recommender's sum of rows) instead
-        self.embed = nn.EmbeddingBag(spec["vocab"], spec["width"], mode="sum") if self.bag else nn.Embedding(spec["vocab"], spec["width"])
+        self.embed = (
+            nn.EmbeddingBag(spec["vocab"], spec["width"], mode="sum")
+            if self.bag
+            else nn.Embedding(spec["vocab"], spec["width"])
+        )
         self.fc = nn.Linear(spec["width"], spec["hidden"][0])
         self.head = nn.Linear(spec["hidden"][0], spec["classes"])
 
@@ -50,7 +55,9 @@ def build_model(spec: dict, seed: int) -> nn.Module:
 def batch(spec: dict, seed: int, rank: int, step: int, size: int):
     g = torch.Generator().manual_seed(seed * 7919 + rank * 104729 + step)
     if spec["kind"] == "lm":
-        return torch.randint(0, spec["vocab"], (size, spec["sequence"]), generator=g), torch.randint(0, spec["classes"], (size,), generator=g)
+        return torch.randint(0, spec["vocab"], (size, spec["sequence"]), generator=g), torch.randint(
+            0, spec["classes"], (size,), generator=g
+        )
     shape = (size, spec["inputs"]) if spec["kind"] == "mlp" else (size, 1, spec["side"], spec["side"])
     return torch.randn(*shape, generator=g), torch.randint(0, spec["classes"], (size,), generator=g)
 
@@ -86,7 +93,9 @@ def run_failures(res: dict, label: str, spec: dict, reference: list, workers: in
     for (name, _), a, ref in zip(build_model(spec, 0).named_parameters(), params, reference):
         if not np.allclose(a, ref, rtol=1e-4, atol=1e-5):
             worst = float(np.max(np.abs(a - ref)))
-            failures.append(f"{label}: {name} differs from the single-process CPU run by up to {worst:.2e} (schemes {schemes})")
+            failures.append(
+                f"{label}: {name} differs from the single-process CPU run by up to {worst:.2e} (schemes {schemes})"
+            )
     return failures
 
 
@@ -103,8 +112,11 @@ def _two_plans() -> None:
     def two(self, layers, names, sizes):
         info = plan(self, layers, names, sizes)
         names = list(names)
-        one, pairs = [names], [names[i:i + 2] for i in range(0, len(names), 2)]
-        info["candidates"] = [{"planner": "algorithm1", "groups": one, "predicted_s": 0.0}, {"planner": "optimal", "groups": pairs, "predicted_s": 0.0}]
+        one, pairs = [names], [names[i : i + 2] for i in range(0, len(names), 2)]
+        info["candidates"] = [
+            {"planner": "algorithm1", "groups": one, "predicted_s": 0.0},
+            {"planner": "optimal", "groups": pairs, "predicted_s": 0.0},
+        ]
         info["groups"], info["planner"] = one, "algorithm1"
         return info
 
@@ -146,7 +158,9 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
             elif overrides == "as-poseidon":
                 overrides = dict(out["poseidon"]["schemes"])
             elif overrides == "every-allreduce":
-                overrides = {n: "allreduce" for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))}
+                overrides = {
+                    n: "allreduce" for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))
+                }
             elif overrides == "rows-mixed":  # the embedding by rows, its Linear by SFB, the head by all-reduce
                 overrides = {"embed": "rows", "fc": "sfb", "head": "allreduce"}
             elif overrides == "mixed":  # the first Linear by SFB, then all-reduce and PS in turn
@@ -157,12 +171,21 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
             opt = make_optimizer(model)
             # A plan is kept untried unless a run asks for its trial: which way a trial goes is the
             # machine's load, and these tests check what a plan does.
-            merging = MergeConfig(kind=merge, after=1, calibration_sizes=(4096, 65536), trial=extra.pop("merge_trial", 0))
+            merging = MergeConfig(
+                kind=merge, after=1, calibration_sizes=(4096, 65536), trial=extra.pop("merge_trial", 0)
+            )
             if extra.pop("two_plans", False):
                 _two_plans()
             trainer = poseidon_aio.Trainer(
-                model, opt, nn.functional.cross_entropy, mode=mode, schemes=overrides,
-                ps=ps, rendezvous=rdzv.job(label), merge=merging, **extra,
+                model,
+                opt,
+                nn.functional.cross_entropy,
+                mode=mode,
+                schemes=overrides,
+                ps=ps,
+                rendezvous=rdzv.job(label),
+                merge=merging,
+                **extra,
             )
             if force_staging:  # the GPU path's host buffers and copies, on CPU tensors
                 from poseidon_aio.train.staging import Staging
@@ -244,7 +267,11 @@ def tricky_worker(rank: int, seed: int, steps: int, size: int, staleness: int, m
         overlaps = []
         async with poseidon_aio.Trainer(
             # early: the optimizer steps each sync's parameters as it lands, however small
-            model, opt, nn.functional.cross_entropy, mode=mode, ps=PSConfig(staleness=staleness),
+            model,
+            opt,
+            nn.functional.cross_entropy,
+            mode=mode,
+            ps=PSConfig(staleness=staleness),
             optimizer_config=OptimizerConfig(early_step_bytes=1) if early else None,
             schemes={"shared": "sfb"} if mode == "poseidon" else None,
             # merged: a group holding a layer that never reports (``unused``) still goes out
@@ -270,17 +297,31 @@ def overlap_worker(rank: int, mode: str, trace_path: str):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 16 * 16, 256), nn.ReLU(), nn.Linear(256, 10),
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(32 * 16 * 16, 256),
+        nn.ReLU(),
+        nn.Linear(256, 10),
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     async def main():
         stats = []
-        async with poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, mode=mode, trace=TraceConfig(trace_path)) as trainer:
+        async with poseidon_aio.Trainer(
+            model, opt, nn.functional.cross_entropy, mode=mode, trace=TraceConfig(trace_path)
+        ) as trainer:
             for t in range(3):
                 g = torch.Generator().manual_seed(t * 10 + rank)
-                stats.append(await trainer.step((torch.randn(32, 3, 16, 16, generator=g), torch.randint(0, 10, (32,), generator=g))))
+                stats.append(
+                    await trainer.step(
+                        (torch.randn(32, 3, 16, 16, generator=g), torch.randint(0, 10, (32,), generator=g))
+                    )
+                )
         events = None
         if rank == 0:  # rank 0 writes one trace with every rank's events
             with open(trace_path) as f:
@@ -302,10 +343,20 @@ def budget_worker(rank: int, bandwidth: float):
 
     async def main():
         steps = []
-        async with poseidon_aio.Trainer(model, make_optimizer(model), nn.functional.cross_entropy, mode="wfbp", net=config_from_env(bandwidth=ShaperConfig(egress_rate=bandwidth))) as trainer:
+        async with poseidon_aio.Trainer(
+            model,
+            make_optimizer(model),
+            nn.functional.cross_entropy,
+            mode="wfbp",
+            net=config_from_env(bandwidth=ShaperConfig(egress_rate=bandwidth)),
+        ) as trainer:
             for t in range(3):
                 steps.append(await trainer.step(batch(spec, 1, rank, t, 4)))
-        return [p.detach().numpy().copy() for p in model.parameters()], [s.step_s for s in steps], [s.bytes["ps"] for s in steps]
+        return (
+            [p.detach().numpy().copy() for p in model.parameters()],
+            [s.step_s for s in steps],
+            [s.bytes["ps"] for s in steps],
+        )
 
     return poseidon_aio.run(main())
 
@@ -367,7 +418,9 @@ def branchy_worker(rank: int, seed: int, size: int):
 
     async def main():
         schemes = None
-        async with poseidon_aio.Trainer(model, opt, batch_loss=branch_loss, mode="poseidon", schemes={"extra": "sfb"}) as trainer:
+        async with poseidon_aio.Trainer(
+            model, opt, batch_loss=branch_loss, mode="poseidon", schemes={"extra": "sfb"}
+        ) as trainer:
             for t in range(len(BRANCH_USES)):
                 schemes = (await trainer.step(branch_batch(seed, rank, t, size))).schemes
         return [p.detach().numpy().copy() for p in model.parameters()], schemes
@@ -412,7 +465,9 @@ def server_sgd_worker(rank: int, spec: dict, seed: int, steps: int, size: int, m
         stats = []
         # The paper's HybComm: layers the shards update by PS beside layers the user's optimizer
         # updates by SFB (on loopback, three-way HybComm would send both these small layers by SFB).
-        async with poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, mode=mode, ps=config, hybcomm=("ps", "sfb")) as trainer:
+        async with poseidon_aio.Trainer(
+            model, opt, nn.functional.cross_entropy, mode=mode, ps=config, hybcomm=("ps", "sfb")
+        ) as trainer:
             for t in range(steps):
                 stats.append(await trainer.step(batch(spec, seed, rank, t, size)))
         return [p.detach().numpy().copy() for p in model.parameters()], stats[-1].schemes
@@ -473,7 +528,9 @@ def checkpoint_worker(rank: int, runs: list, seed: int, steps: int):
                 # (1 run in ~10 of the whole file beside a hog: "conv.weight differs after resuming").
                 schemes = {"conv": "ps", "bn": "ps", "fc1": "sfb", "fc2": "sfb"}
                 kwargs = dict(mode="poseidon", schemes=schemes, merge=merge, ps=PSConfig(sync_timeout=30))
-            trainer = poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, rendezvous=rdzv.job(label), **kwargs)
+            trainer = poseidon_aio.Trainer(
+                model, opt, nn.functional.cross_entropy, rendezvous=rdzv.job(label), **kwargs
+            )
             async with trainer:
                 start = await trainer.restore(directory) if os.path.isdir(directory) else 0
                 for t in range(start, steps):
@@ -482,7 +539,10 @@ def checkpoint_worker(rank: int, runs: list, seed: int, steps: int):
                         await trainer.save(directory)
                     if t == crash_after:
                         os._exit(137)
-            out[label] = {"start": start, "state": {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}}
+            out[label] = {
+                "start": start,
+                "state": {k: v.detach().numpy().copy() for k, v in model.state_dict().items()},
+            }
         await rdzv.leave()
         return out
 

@@ -72,10 +72,32 @@ ITEMSIZE = 4  # float32 everywhere
 class SimLayer:
     """A trace layer as the simulation sees it."""
 
-    __slots__ = ("index", "name", "shape", "factorable", "nbytes", "params", "shapes", "flops_s", "overhead", "forward", "backward", "ready", "scheme")
+    __slots__ = (
+        "index",
+        "name",
+        "shape",
+        "factorable",
+        "nbytes",
+        "params",
+        "shapes",
+        "flops_s",
+        "overhead",
+        "forward",
+        "backward",
+        "ready",
+        "scheme",
+    )
 
     def __init__(
-        self, index: int, name: str, shape: LayerShape, factorable: bool, params: tuple, shapes: tuple, forward: float, overhead: float = 0.0
+        self,
+        index: int,
+        name: str,
+        shape: LayerShape,
+        factorable: bool,
+        params: tuple,
+        shapes: tuple,
+        forward: float,
+        overhead: float = 0.0,
     ) -> None:
         self.index = index
         self.name = name
@@ -103,7 +125,9 @@ def layers_of(trace: Trace, rows: int, rate: float, overhead: float = 0.0) -> li
             shape = LayerShape(layer.name, kind, layer.params, 1)
         # An FC layer's factors are a weight and an optional bias of M (what the trainer factors).
         factorable = layer.fully_connected and (len(layer.shapes) == 1 or layer.shapes[1] == (layer.shapes[0][0],))
-        out.append(SimLayer(i, layer.name, shape, factorable, trace.param_names(i), layer.shapes, layer.flops / rate, overhead))
+        out.append(
+            SimLayer(i, layer.name, shape, factorable, trace.param_names(i), layer.shapes, layer.flops / rate, overhead)
+        )
     return out
 
 
@@ -123,7 +147,16 @@ def compute_timeline(layers: list) -> tuple:
 class Simulation:
     """One iteration's events, in time order, over :class:`Links`."""
 
-    def __init__(self, layers: list, workers: int, rate: float, net: tuple, chunk_bytes: int, allreduce: str = "auto", naive: bool = False) -> None:
+    def __init__(
+        self,
+        layers: list,
+        workers: int,
+        rate: float,
+        net: tuple,
+        chunk_bytes: int,
+        allreduce: str = "auto",
+        naive: bool = False,
+    ) -> None:
         self.layers = layers
         self.P = workers
         self.naive = naive  # every PS message at the end of the backward: the replies' fan-in is every shard
@@ -167,7 +200,9 @@ class Simulation:
         shards = len({shard for shard, _ in messages})  # they reply to every worker at once
         fan_in = max(1.0, (self.P - 1) / shards)  # each worker's up-link shared by the shards at once
         for shard, nbytes in messages:  # one after another on the up-link, in message order
-            self.at(self.links.gather(t, shard, nbytes, Kind.PUSH, senders=fan_in), self._reply, unit, shard, nbytes, shards)
+            self.at(
+                self.links.gather(t, shard, nbytes, Kind.PUSH, senders=fan_in), self._reply, unit, shard, nbytes, shards
+            )
 
     def _reply(self, t: float, unit: int, shard: int, nbytes: int, shards: int) -> None:
         senders = self.P - 1 if self.naive else min(shards, self.P - 1)
@@ -239,7 +274,7 @@ def ddp_bucket_layers(layers: list) -> list:
     ``buckets`` plan): ``[(layer indices, bytes, ready)]``."""
     out = []
     for group in ddp_buckets([layer.nbytes for layer in layers], DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES):
-        members = tuple(l - 1 for l in group)
+        members = tuple(number - 1 for number in group)
         out.append((members, sum(layers[i].nbytes for i in members), max(layers[i].ready for i in members)))
     return out
 
@@ -257,7 +292,14 @@ def _ps_messages(layers: list, groups: list, workers: int, chunk_bytes: int, spr
             owner[len(specs)] = layer.index
             specs.append(ParamSpec(name, shape))
     names = [[n for i in g for n in layers[i].params] for g in groups if len(g) > 1]
-    book = InformationBook(Manifest(specs), workers=workers, shards=workers, chunk_bytes=chunk_bytes, groups=names or None, spread_bytes=spread_bytes)
+    book = InformationBook(
+        Manifest(specs),
+        workers=workers,
+        shards=workers,
+        chunk_bytes=chunk_bytes,
+        groups=names or None,
+        spread_bytes=spread_bytes,
+    )
     group_of = {i: g for g, members in enumerate(groups) for i in members}
     out = [[] for _ in groups]
     for m in book.messages:
@@ -265,7 +307,17 @@ def _ps_messages(layers: list, groups: list, workers: int, chunk_bytes: int, spr
     return out
 
 
-def run_plan(layers: list, workers: int, rate: float, net: tuple, chunk_bytes: int, mode: str, groups: dict, spread_bytes: int, allreduce: str = "auto") -> Simulation:
+def run_plan(
+    layers: list,
+    workers: int,
+    rate: float,
+    net: tuple,
+    chunk_bytes: int,
+    mode: str,
+    groups: dict,
+    spread_bytes: int,
+    allreduce: str = "auto",
+) -> Simulation:
     """One iteration of ``layers`` (scheme and ready times set) with each of ``groups``
     (``{scheme: [(layer index, ...), ...]}``) travelling as one message; ``mode`` as the trainer's."""
     sim = Simulation(layers, workers, rate, net, chunk_bytes, allreduce, naive=mode == Mode.NAIVE.value)
@@ -276,7 +328,9 @@ def run_plan(layers: list, workers: int, rate: float, net: tuple, chunk_bytes: i
     for g, members in enumerate(ps_groups):
         starts.append((max(layers[i].ready for i in members), -min(members), sim.ps, (sim.unit(members), messages[g])))
     for members in groups.get(Scheme.ALLREDUCE, []):
-        starts.append((max(layers[i].ready for i in members), -min(members), sim.allreduce, (sim.unit(members), tuple(members))))
+        starts.append(
+            (max(layers[i].ready for i in members), -min(members), sim.allreduce, (sim.unit(members), tuple(members)))
+        )
     for layer in layers:
         if layer.scheme is Scheme.SFB:
             starts.append((layer.ready, -layer.index, sim.sfb, (sim.unit((layer.index,)), layer.index)))

@@ -134,7 +134,9 @@ class Simulator:
         layer_overhead: float = 0.0,
     ) -> None:
         if not isinstance(trace, Trace):
-            raise ConfigError("the simulator takes a Trace: plan.models.trace(name, batch) or trace_of(model, layers, batch)")
+            raise ConfigError(
+                "the simulator takes a Trace: plan.models.trace(name, batch) or trace_of(model, layers, batch)"
+            )
         if isinstance(workers, bool) or int(workers) != workers or workers < 1:
             raise ConfigError(f"workers must be a whole number >= 1, got {workers!r}")
         if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
@@ -166,7 +168,9 @@ class Simulator:
         self.allreduce = allreduce
         self.rows = trace.batch if rows is None else int(rows)
         if efficiency is not None and not isinstance(efficiency, FlowEfficiency):
-            raise ConfigError(f"efficiency must be a FlowEfficiency (e.g. FlowEfficiency({{1: 0.95, 15: 0.66}})), got {efficiency!r}")
+            raise ConfigError(
+                f"efficiency must be a FlowEfficiency (e.g. FlowEfficiency({{1: 0.95, 15: 0.66}})), got {efficiency!r}"
+            )
         self.net = (link, costed, bool(ingress), float(latency), efficiency)
         self.layer_overhead = float(layer_overhead)
         self.layers = layers_of(trace, self.rows, self.rate, self.layer_overhead)
@@ -178,8 +182,12 @@ class Simulator:
             chosen = choose_schemes(
                 [PlanLayer(layer.shape, layer.factorable) for layer in self.layers],
                 {layer.name: self.rows for layer in self.layers if layer.factorable},
-                mode=Mode(mode), workers=self.workers, shards=self.workers,
-                link=measured, candidates=self.hybcomm, chunk_bytes=chunk_bytes,
+                mode=Mode(mode),
+                workers=self.workers,
+                shards=self.workers,
+                link=measured,
+                candidates=self.hybcomm,
+                chunk_bytes=chunk_bytes,
             )
             for layer in self.layers:
                 layer.scheme = Scheme(chosen[layer.name])
@@ -236,20 +244,42 @@ class Simulator:
                 planner = MergePlanner(MergeConfig(kind, after=1), self.workers, self.workers, s, self.calibration)
                 spans = [(layer.ready, float(warm[layer.index][0])) for layer in members]
                 indices = [layer.index for layer in members]
-                planner.record(self.forward, self.forward, ready, indices, spans, sum(layer.nbytes for layer in members))
+                planner.record(
+                    self.forward, self.forward, ready, indices, spans, sum(layer.nbytes for layer in members)
+                )
                 info = planner.plan(indices, [layer.name for layer in members], [layer.nbytes for layer in members])
                 by_name = {layer.name: layer.index for layer in members}
                 groups[s] = [tuple(sorted(by_name[n] for n in g)) for g in info["groups"]]
                 plans[s.value] = info
         key = tuple((s.value, tuple(gs)) for s, gs in groups.items())
         if key not in self._runs:  # two planners often agree: simulate each plan once
-            self._runs[key] = run_plan(layers, self.workers, self.rate, self.net, self.chunk_bytes, self.mode, groups, self.spread_bytes, self.allreduce)
+            self._runs[key] = run_plan(
+                layers,
+                self.workers,
+                self.rate,
+                self.net,
+                self.chunk_bytes,
+                self.mode,
+                groups,
+                self.spread_bytes,
+                self.allreduce,
+            )
         sim = self._runs[key]
         return self._result(sim, groups, plans, sim.done)
 
     def _warm_up(self, groups: dict) -> "Simulation":
         if self._unmerged is None:
-            self._unmerged = run_plan(self.layers, self.workers, self.rate, self.net, self.chunk_bytes, self.mode, groups, self.spread_bytes, self.allreduce)
+            self._unmerged = run_plan(
+                self.layers,
+                self.workers,
+                self.rate,
+                self.net,
+                self.chunk_bytes,
+                self.mode,
+                groups,
+                self.spread_bytes,
+                self.allreduce,
+            )
         return self._unmerged
 
     def _result(self, sim, groups: dict, plans: dict, done: np.ndarray) -> Iteration:
@@ -304,7 +334,9 @@ def _merge_kind(mode: str, merge) -> MergeKind:
     except ValueError:
         raise ConfigError(f"merge must be one of {[k.value for k in MergeKind]}, got {merge!r}") from None
     if kind is not MergeKind.NONE and mode in (Mode.NAIVE.value, Mode.WFBP.value, DDP):
-        raise ConfigError(f"mode {mode!r} does not merge layers (merge={kind.value!r}); use mode 'mgwfbp' or 'poseidon'")
+        raise ConfigError(
+            f"mode {mode!r} does not merge layers (merge={kind.value!r}); use mode 'mgwfbp' or 'poseidon'"
+        )
     return kind
 
 

@@ -64,7 +64,10 @@ class FlowEfficiency:
             if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
                 raise ConfigError(f"efficiency: a fan-in is a whole number of senders >= 1, got {n!r}")
             if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-                raise ConfigError(f"efficiency: the fraction of the rate delivered with {n} senders must be in (0, 1], got {fraction!r}")
+                raise ConfigError(
+                    f"efficiency: the fraction of the rate delivered with {n} senders "
+                    f"must be in (0, 1], got {fraction!r}"
+                )
         self.points = {int(n): float(f) for n, f in sorted(points.items())}
         self._n = np.array(list(self.points), dtype=float)
         self._f = np.array(list(self.points.values()))
@@ -76,7 +79,9 @@ class FlowEfficiency:
         try:
             points = {int(n): float(f) for n, f in (item.split(":") for item in text.split(",") if item.strip())}
         except ValueError:
-            raise ConfigError(f"efficiency: expected 'senders:fraction,...' (e.g. '1:0.95,15:0.66'), got {text!r}") from None
+            raise ConfigError(
+                f"efficiency: expected 'senders:fraction,...' (e.g. '1:0.95,15:0.66'), got {text!r}"
+            ) from None
         return cls(points)
 
     def __call__(self, senders):
@@ -96,7 +101,13 @@ class Links:
     """
 
     def __init__(
-        self, nodes: int, link: Link, costed: Optional[frozenset], ingress: bool = True, latency: float = 0.0, efficiency: Optional[FlowEfficiency] = None
+        self,
+        nodes: int,
+        link: Link,
+        costed: Optional[frozenset],
+        ingress: bool = True,
+        latency: float = 0.0,
+        efficiency: Optional[FlowEfficiency] = None,
     ) -> None:
         self.nodes = nodes
         self.alpha, self.beta = link.alpha, link.beta
@@ -129,7 +140,9 @@ class Links:
         self.up[dest] = -math.inf
         last = float(self.up.max())
         self.up[dest] = keep
-        self.down[dest] = max(t, self.down[dest]) + (self.nodes - 1) * nbytes * self.beta_down(self.nodes - 1 if senders is None else senders)
+        self.down[dest] = max(t, self.down[dest]) + (self.nodes - 1) * nbytes * self.beta_down(
+            self.nodes - 1 if senders is None else senders
+        )
         self.up_bytes += nbytes
         self.up_bytes[dest] -= nbytes
         self.sent += 1
@@ -177,9 +190,13 @@ class Links:
         receiving = incoming > 0
         senders = np.full(self.nodes, len(srcs))
         senders[srcs] -= 1  # a source does not feed its own down-link
-        self.down[receiving] = np.maximum(self.down[receiving], t) + incoming[receiving] * self.beta_down(senders[receiving])
+        self.down[receiving] = np.maximum(self.down[receiving], t) + incoming[receiving] * self.beta_down(
+            senders[receiving]
+        )
         self.down_bytes += incoming
-        out[receiving] = np.maximum(self.down[receiving], _max_of_others(ends, srcs, self.nodes)[receiving]) + self.latency
+        out[receiving] = (
+            np.maximum(self.down[receiving], _max_of_others(ends, srcs, self.nodes)[receiving]) + self.latency
+        )
         return out
 
     def ring(self, t: float, nbytes: float, count: int, kind: Kind) -> float:
@@ -210,11 +227,16 @@ class Links:
         incoming = (self.nodes - 1) * nbytes
         receiving = incoming > 0
         feeding = int(sending.sum()) - sending  # every sender but the node itself
-        self.down[receiving] = np.maximum(self.down[receiving], t) + incoming[receiving] * self.beta_down(feeding[receiving])
+        self.down[receiving] = np.maximum(self.down[receiving], t) + incoming[receiving] * self.beta_down(
+            feeding[receiving]
+        )
         self.down_bytes += incoming
         senders = np.flatnonzero(sending)
         if len(senders):
-            out[receiving] = np.maximum(self.down[receiving], _max_of_others(self.up[senders], senders, self.nodes)[receiving]) + self.latency
+            out[receiving] = (
+                np.maximum(self.down[receiving], _max_of_others(self.up[senders], senders, self.nodes)[receiving])
+                + self.latency
+            )
         return out
 
     def busiest(self) -> tuple:
