@@ -3,17 +3,16 @@
 Per message (one or more key-value pairs, see the information book) and clock the shard keeps one
 receive slot per worker; pushes are written into their slot by the kernel (the connection's
 allocate hook). When every expected worker is in, it finalizes: the mean over the contributors,
-summed in rank order — bitwise the same whatever order the pushes arrived in — and sends it to
-every worker (AGGREGATE), or applies SGD and sends parameters (PARAMS) when the shard owns the
-optimizer. A layer synced by Project Adam's scheme arrives as every worker's sufficient factors
-(FACTORS) and is rebuilt with one GEMM; it goes through the same path: late clocks discarded,
-deadlines, stall reports, stragglers dropped. Clocks of one message finalize in order, so SSP's
-bound holds on every worker.
+summed in rank order (bitwise the same whatever order the pushes arrived in), sent to every
+worker (AGGREGATE), or SGD applied and parameters sent (PARAMS) when the shard owns the optimizer.
+Project Adam's layers arrive as every worker's sufficient factors (FACTORS), rebuilt with one
+GEMM, through the same path: late clocks discarded, deadlines, stall reports, stragglers dropped.
+Clocks of one message finalize in order, so SSP's bound holds on every worker.
 
 The pieces: :mod:`.slots` (receive slots, reply buffers), :mod:`.outbox` (what each worker is
-owed, bounded), :mod:`.sgd` (server-side SGD and its checkpoints), :mod:`.rebuild` (Project Adam).
-What a worker must know of drops, stalls and failures arrives as CONTROL frames (JSON) before the
-data they concern.
+owed, bounded), :mod:`.pulls` (parameters served to pulling workers), :mod:`.sgd` (server-side
+SGD and its checkpoints), :mod:`.rebuild` (Project Adam). Drops, stalls and failures reach the
+workers as CONTROL frames (JSON) before the data they concern.
 """
 
 from __future__ import annotations
@@ -39,7 +38,8 @@ from .config import PSConfig
 from .outbox import Outbox, frame_bytes
 from .rebuild import rebuild
 from .sgd import ServerOptimizer
-from .slots import ReplyBuffers, SlotPool, reduce_mean
+from .pulls import Pulls
+from .slots import Pending, ReplyBuffers, SlotPool, reduce_mean
 
 log = logging.getLogger("poseidon_aio.ps")
 
@@ -59,20 +59,6 @@ class ShardStats:
     remote_bytes_out: int = 0
     checkpoints: deque = field(default_factory=lambda: deque(maxlen=64))  # the newest clocks written
     ejected: list = field(default_factory=list)  # ranks ejected for falling behind (at most P1)
-
-
-class _Pending:
-    """A message's clock in flight: who has pushed, into what, since when."""
-
-    __slots__ = ("slots", "have", "landing", "first_at", "timers", "deadline_passed")
-
-    def __init__(self, slots) -> None:
-        self.slots = slots  # (workers, numel) array of pushes, or {rank: (u, v)} of factors
-        self.have: set = set()
-        self.landing: set = set()  # ranks whose push the kernel is still writing into its slot
-        self.first_at = 0.0
-        self.timers: list = []
-        self.deadline_passed = False
 
 
 class KVShard:
@@ -127,8 +113,7 @@ class KVShard:
             if config.server_sgd
             else None
         )
-        self._init: dict = {}  # message -> (clock, rank 0's start-up values) until every worker has them
-        self._pullers: dict = {}
+        self._pulls = Pulls(self._send, {mid: DTYPE_BY_NAME[m.dtype] for mid, m in self._messages.items()})
         self._lags: deque = deque(maxlen=64)
         self._tasks: set = set()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"poseidon-shard{index}")
@@ -245,11 +230,11 @@ class KVShard:
         done = self._finalized[mid]
         return clock <= done or (clock == done + 1 and mid in self._busy)
 
-    def _pending_for(self, mid: int, clock: int) -> _Pending:
+    def _pending_for(self, mid: int, clock: int) -> Pending:
         p = self._pending.get((mid, clock))
         if p is None:
             slots = {} if mid in self._factored else self._slots.take(mid, self._numel[mid], self._dtype[mid])
-            p = self._pending[(mid, clock)] = _Pending(slots)
+            p = self._pending[(mid, clock)] = Pending(slots)
         return p
 
     def _on_frame(self, conn: Endpoint, frame: Frame) -> None:
@@ -291,7 +276,7 @@ class KVShard:
             )
         self._count_in(frame, local)
 
-        def keep(p: _Pending) -> None:
+        def keep(p: Pending) -> None:
             if rank not in p.landing:  # not received into its slot (it came early, or in process)
                 p.slots[rank] = np.frombuffer(frame.payload, dtype=self._dtype[m.id])
 
@@ -311,7 +296,7 @@ class KVShard:
         )
         self._count_in(frame, local)
 
-        def keep(p: _Pending) -> None:
+        def keep(p: Pending) -> None:
             p.slots[rank] = (u, v)  # views: every frame handed to the shard has a buffer of its own
 
         self._arrived(rank, frame.key, frame, keep)
@@ -353,7 +338,7 @@ class KVShard:
             self._lags.append(now - p.first_at)
         self._advance(mid)
 
-    def _arm_timers(self, mid: int, clock: int, p: _Pending) -> None:
+    def _arm_timers(self, mid: int, clock: int, p: Pending) -> None:
         policy = self.config.stragglers
         if policy.enabled:
             if policy.deadline == "adaptive":
@@ -376,15 +361,8 @@ class KVShard:
             return
         missing = sorted(set(range(self.workers)) - p.have)
         waited = self._loop.time() - p.first_at
-        log.warning(
-            "shard %d: message %d (%s) at clock %d has waited %.0f s for ranks %s",
-            self.index,
-            mid,
-            self._describe(self._messages[mid]),
-            clock,
-            waited,
-            missing,
-        )
+        what = f"message {mid} ({self._describe(self._messages[mid])}) at clock {clock}"
+        log.warning("shard %d: %s has waited %.0f s for ranks %s", self.index, what, waited, missing)
         for r in p.have:
             self._send(
                 r, [self._notice("stalled", message=mid, clock=clock, waiting_for=missing, waited=round(waited, 1))]
@@ -405,7 +383,7 @@ class KVShard:
             contributors = sorted(p.have)
         else:
             return
-        self._init.pop(mid, None)  # every worker pulled its start-up values before pushing
+        self._pulls.started(mid)  # every worker pulled its start-up values before pushing
         self._busy.add(mid)
         del self._pending[(mid, clock)]
         for timer in p.timers:
@@ -418,7 +396,7 @@ class KVShard:
         # queues of finalized-in-a-row clocks off the stack.
         self._loop.call_soon(self._advance, mid)
 
-    async def _finalize(self, mid: int, clock: int, p: _Pending, contributors: list) -> None:
+    async def _finalize(self, mid: int, clock: int, p: Pending, contributors: list) -> None:
         """Finalize on the shard's thread: a Project-Adam rebuild (a GEMM) or a mean over more than
         ``_OFFLOAD_BYTES`` (NumPy releases the GIL: the loop keeps receiving meanwhile)."""
         try:
@@ -439,7 +417,7 @@ class KVShard:
             self._busy.discard(mid)
         self._advance(mid)
 
-    def _finalize_now(self, mid: int, clock: int, p: _Pending, contributors: list) -> None:
+    def _finalize_now(self, mid: int, clock: int, p: Pending, contributors: list) -> None:
         """Finalize a mean small enough to take on the loop (a thread hop costs more than the sum;
         and no task: ~30 messages a step on a small model each saved one)."""
         try:
@@ -450,7 +428,7 @@ class KVShard:
         finally:
             self._busy.discard(mid)
 
-    def _reply(self, mid: int, clock: int, p: _Pending, mean) -> tuple:
+    def _reply(self, mid: int, clock: int, p: Pending, mean) -> tuple:
         """``(kind, payload, reply clock)``: the mean, or with server-side SGD the new parameters."""
         if not p.landing:  # no late frame is still being written into these slots
             self._slots.give(mid, p.slots)
@@ -491,7 +469,7 @@ class KVShard:
     def _on_initial_params(self, rank: int, frame: Frame) -> None:
         m = self._message(rank, frame.header)
         values = np.frombuffer(frame.payload, dtype=self._dtype[m.id]).copy()
-        self._init[m.id] = (frame.clock, values)  # one per message: a peer cannot grow it
+        self._pulls.initial(m.id, frame.clock, values)
         if self._sgd is not None:
             self._sgd.init(m.id, values)
             self._finalized[m.id] = frame.clock - 1
@@ -507,23 +485,16 @@ class KVShard:
                 f"beyond clock {horizon} that shard {self.index} "
                 "can be asked for (its newest finalized clock plus the staleness bound)"
             )
-        self._pullers.setdefault((m.id, frame.clock), set()).add(rank)
+        self._pulls.ask(rank, m.id, frame.clock)
         self._answer_pullers(m.id, frame.clock)
 
     def _answer_pullers(self, mid: int, clock: int) -> None:
-        ranks = self._pullers.get((mid, clock))
-        if not ranks:
-            return
-        init = self._init.get(mid)
-        values = init[1] if init is not None and init[0] == clock else None
-        if values is None and self._sgd is not None and self._sgd.has(mid) and self._finalized[mid] == clock - 1:
-            values = self._sgd.values(mid)
-        if values is None:
-            return
-        m = self._messages[mid]
-        for r in sorted(ranks):
-            self._send(r, [(Kind.PARAMS, values, mid, clock, DTYPE_BY_NAME[m.dtype])])
-        del self._pullers[(mid, clock)]
+        def version():  # the server-side SGD's values, if they are this clock's
+            if self._sgd is not None and self._sgd.has(mid) and self._finalized[mid] == clock - 1:
+                return self._sgd.values(mid)
+            return None
+
+        self._pulls.answer(mid, clock, version)
 
     # -- checkpoints ------------------------------------------------------------------------
 

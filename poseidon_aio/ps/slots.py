@@ -69,3 +69,17 @@ def reduce_mean(slots: np.ndarray, contributors: list, out: Optional[np.ndarray]
         np.add(out, slots[r], out=out)
     np.divide(out, out.dtype.type(len(contributors)), out=out)
     return out
+
+
+class Pending:
+    """A message's clock in flight: who has pushed, into what, since when."""
+
+    __slots__ = ("slots", "have", "landing", "first_at", "timers", "deadline_passed")
+
+    def __init__(self, slots) -> None:
+        self.slots = slots  # (workers, numel) array of pushes, or {rank: (u, v)} of factors
+        self.have: set = set()
+        self.landing: set = set()  # ranks whose push the kernel is still writing into its slot
+        self.first_at = 0.0
+        self.timers: list = []
+        self.deadline_passed = False

@@ -107,8 +107,9 @@ class Trainer:
     ) -> None:
         if (loss_fn is None) == (batch_loss is None):
             raise ConfigError("give the Trainer exactly one of loss_fn (for (inputs, targets) batches) and batch_loss")
-        configs = (ps, net, merge, compression, schemes, hybcomm, allreduce, optimizer_config, startup)
-        self.settings = resolve(mode, *configs, broadcast_buffers)
+        self.settings = resolve(
+            mode, ps, net, merge, compression, schemes, hybcomm, allreduce, optimizer_config, startup, broadcast_buffers
+        )
         self.model, self.optimizer = model, optimizer
         self.loss_fn, self.batch_loss = loss_fn, batch_loss
         #: Error feedback of the lossy schemes, per layer (kept across syncer rebuilds, checkpointed).
@@ -177,8 +178,9 @@ class Trainer:
         shaper = Shaper.from_config(s.net.bandwidth) if s.net.bandwidth is not None else None
         self._manifest = Manifest.of_arrays(self._named)
         timeout = s.startup.timeout
-        rdzv = self._given_rdzv
-        self._job = await Job.join(self._manifest, s.net, timeout=timeout, env=self.env, rendezvous=rdzv, shaper=shaper)
+        self._job = await Job.join(
+            self._manifest, s.net, timeout=timeout, env=self.env, rendezvous=self._given_rdzv, shaper=shaper
+        )
         self.rank, self.world = self._job.rank, self._job.world
         self.tracer.rank, self.tracer.world = self.rank, self.world
         await self.tracer.align(self._job.peers, timeout)
@@ -190,9 +192,8 @@ class Trainer:
         self._applier = Applier(
             s, self.optimizer, self._named, self.staging, self._aggregates, self._compute, self._dispatch.gpu
         )
-        executors = (self._compute, self._reduce)
         self._planning = Planning(
-            s, self.layers, self._named, self._job, self.staging, *executors, shaper, self.feedback
+            s, self.layers, self._named, self._job, self.staging, self._compute, self._reduce, shaper, self.feedback
         )
         await self._planning.calibrate()
         self._started = True
