@@ -125,7 +125,7 @@ def wire_dtype(dtype, default: Optional[DType] = None) -> Optional[DType]:
 
 
 # Cached: a NumPy dtype's ``name`` is a Python property, slow for a lookup made per frame.
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)
 def _wire_dtype(dtype) -> Optional[DType]:
     if not getattr(dtype, "isnative", True):
         return None
