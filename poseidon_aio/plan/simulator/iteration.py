@@ -253,34 +253,28 @@ class Simulator:
                 plans[s.value] = info
         key = tuple((s.value, tuple(gs)) for s, gs in groups.items())
         if key not in self._runs:  # two planners often agree: simulate each plan once
-            self._runs[key] = run_plan(
-                layers,
-                self.workers,
-                self.rate,
-                self.net,
-                self.chunk_bytes,
-                self.mode,
-                groups,
-                self.spread_bytes,
-                self.allreduce,
-            )
+            self._runs[key] = self._run(layers, groups)
         sim = self._runs[key]
         return self._result(sim, groups, plans, sim.done)
 
     def _warm_up(self, groups: dict) -> "Simulation":
         if self._unmerged is None:
-            self._unmerged = run_plan(
-                self.layers,
-                self.workers,
-                self.rate,
-                self.net,
-                self.chunk_bytes,
-                self.mode,
-                groups,
-                self.spread_bytes,
-                self.allreduce,
-            )
+            self._unmerged = self._run(self.layers, groups)
         return self._unmerged
+
+    def _run(self, layers: list, groups: dict) -> "Simulation":
+        """One iteration of ``layers`` with these merge ``groups``, on this simulator's cluster."""
+        return run_plan(
+            layers,
+            self.workers,
+            self.rate,
+            self.net,
+            self.chunk_bytes,
+            self.mode,
+            groups,
+            self.spread_bytes,
+            self.allreduce,
+        )
 
     def _result(self, sim, groups: dict, plans: dict, done: np.ndarray) -> Iteration:
         layers = self.layers
