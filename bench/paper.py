@@ -41,22 +41,13 @@ import sys
 import time
 from typing import Optional
 
-from bench import launch, parse_impl
-from bench.paper_report import figures, lower_bound, simulate_beside
+from bench import launch
+from bench.paper_report import IMPLS, figures, impl_variant, lower_bound, simulate_beside
 from poseidon_aio.units import parse_rate
 
-IMPLS = ["naive", "wfbp", "poseidon", "ddp"]
 # The modes whose merge plan is measured, then tried: their warm-up holds the trials.
 MERGING = ("mgwfbp", "poseidon")
 MODELS = ["vgg19", "vgg19_22k", "inception_v3", "resnet152"]
-
-
-def impl_variant(impl: str) -> tuple:
-    """``"poseidon:hybcomm=ps+allreduce"`` -> ``("poseidon", {"hybcomm": ("ps", "allreduce")})``: our
-    mode with the schemes HybComm weighs narrowed, run and reported beside the others (the
-    simulator gets the same schemes)."""
-    mode, variant = parse_impl(impl, {m: {"hybcomm"} if m == "poseidon" else set() for m in IMPLS})
-    return mode, {"hybcomm": tuple(variant["hybcomm"].split("+"))} if variant else {}
 
 
 # -- the replayed model ---------------------------------------------------------------------------

@@ -8,6 +8,19 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from bench import parse_impl
+
+IMPLS = ["naive", "wfbp", "poseidon", "ddp"]
+
+
+def impl_variant(impl: str) -> tuple:
+    """``"poseidon:hybcomm=ps+allreduce"`` -> ``("poseidon", {"hybcomm": ("ps", "allreduce")})``: our
+    mode with the schemes HybComm weighs narrowed, run and reported beside the others (the
+    simulator gets the same schemes)."""
+    mode, variant = parse_impl(impl, {m: {"hybcomm"} if m == "poseidon" else set() for m in IMPLS})
+    return mode, {"hybcomm": tuple(variant["hybcomm"].split("+"))} if variant else {}
+
+
 # -- the simulator beside the emulation ----------------------------------------------------------
 
 
@@ -46,7 +59,6 @@ def simulate_beside(results: dict, args, rate_bits: float, efficiency: Optional[
     from poseidon_aio.plan.simulator import FlowEfficiency, Simulator
     from poseidon_aio.wire import Kind
 
-    from bench.paper import impl_variant
     from bench.simulate import paper_startup
 
     link = Link.of_bandwidth(rate_bits / 8, args.alpha_us * 1e-6)
@@ -137,8 +149,6 @@ def figures(out: str, results: dict, args, rate_bits: float) -> list:
     from poseidon_aio.plan.models import trace
     from poseidon_aio.plan.cost import Link
     from poseidon_aio.plan.simulator import Simulator
-
-    from bench.paper import IMPLS
 
     link = Link.of_bandwidth(rate_bits / 8, args.alpha_us * 1e-6)
     paths = []
