@@ -25,6 +25,18 @@ def parse_impl(impl: str, settings: dict) -> tuple:
     return mode, variant
 
 
+def rank_env(rank: int, world: int, port: int, master: str = "127.0.0.1") -> dict:
+    """What a launcher gives rank ``rank`` of a local job: its place, the rendezvous, the token."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": master,
+        "MASTER_PORT": str(port),
+        "POSEIDON_TOKEN": BENCH_TOKEN,
+    }
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (for a job's rendezvous)."""
     with socket.socket() as s:
@@ -58,13 +70,8 @@ def launch(module: str, world: int, cfg: dict, *, namespaces=None, timeout: floa
                 outs.append(out)
                 env = {
                     **os.environ,
-                    "RANK": str(rank),
-                    "WORLD_SIZE": str(world),
-                    "LOCAL_RANK": str(rank),
-                    "MASTER_ADDR": master,
-                    "MASTER_PORT": str(port),
+                    **rank_env(rank, world, port, master),
                     "OMP_NUM_THREADS": "1",
-                    "POSEIDON_TOKEN": BENCH_TOKEN,
                     "GLOO_SOCKET_IFNAME": "eth0" if namespaces else "lo",
                     "PYTHONPATH": os.getcwd(),
                 }

@@ -35,7 +35,7 @@ import platform
 import statistics
 import time
 
-from bench import BENCH_TOKEN, free_port
+from bench import free_port, rank_env
 
 ALPHA = {2: 90.52e-6, 4: 271.56e-6, 8: 633.64e-6}
 ROWS = 32
@@ -51,14 +51,7 @@ def resnet50_layers() -> list:
 
 
 def _worker(rank: int, world: int, port: int, scheme: str, args: dict, out) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        POSEIDON_TOKEN=BENCH_TOKEN,
-    )
+    os.environ.update(rank_env(rank, world, port))
     import torch
     from torch import nn
 

@@ -20,7 +20,7 @@ import platform
 import tempfile
 import time
 
-from bench import BENCH_TOKEN, free_port
+from bench import free_port, rank_env
 
 
 def rss_bytes() -> int:
@@ -32,14 +32,7 @@ def rss_bytes() -> int:
 
 
 def _worker(rank: int, world: int, port: int, steps: int, every: int, trace: str, ring: int, out) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        POSEIDON_TOKEN=BENCH_TOKEN,
-    )
+    os.environ.update(rank_env(rank, world, port))
     import torch
     from torch import nn
 
