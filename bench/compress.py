@@ -13,8 +13,10 @@ Implementations, side by side in one run:
 * ``ddp``: ``DistributedDataParallel`` (gloo), exact;
 * ``ddp_powersgd``: DDP with its PowerSGD comm hook, the same rank as ours (``--rank``), error
   feedback and warm start on, PowerSGD from the second step (``start_powerSGD_iter=2``: the
-  earliest DDP allows with error feedback), its default minimum compression rate of 2, the
-  whole model in one bucket (with several the hook fails under gloo, see ``worker``);
+  earliest DDP allows with error feedback), its default minimum compression rate of 2, DDP's
+  default buckets and overlap, each bucket's all-reduces on a process group of its own (see ``worker``);
+* ``ddp_powersgd_1bucket``: the same with the whole model in one bucket (no overlap, fewer
+  all-reduces and callbacks: on a host whose CPU bounds the step, the faster of the two);
 * ``ddp_fp16``: DDP with its fp16 comm hook;
 * ``exact``: poseidon (mode ``poseidon``: HybComm over PS, SFB and all-reduce, MG-WFBP), no
   compression;
@@ -49,7 +51,7 @@ import time
 from bench import job_cpu, launch, median_run
 from poseidon_aio.units import parse_rate
 
-IMPLS = ["ddp", "ddp_powersgd", "ddp_fp16", "exact", "auto"]
+IMPLS = ["ddp", "ddp_powersgd", "ddp_powersgd_1bucket", "ddp_fp16", "exact", "auto"]
 RATES = {link: (link, parse_rate(link) / 8) for link in ("1gbit", "100mbit")}  # tc rate, bytes/s
 LOSSY = ("fp16", "powersgd", "topk")
 
@@ -75,21 +77,24 @@ def worker(cfg: dict) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         dist.init_process_group("gloo", rank=cfg["rank"], world_size=cfg["world"])
-        # With DDP's default buckets (1 MiB first, then 25 MiB) its PowerSGD hook failed on the
-        # transformer every time: gloo's "collective mismatch" (one rank's all-reduce of 3536 bytes
-        # met another's of 1216), then a hang. The hook issues a bucket's later all-reduces from
-        # callbacks of its first, so which bucket's call comes next can differ between ranks. With
-        # the whole model in one bucket it runs (that bucket waits for the last gradient: no
-        # overlap, which costs DDP+PowerSGD little where the compressed bytes are few).
-        buckets = {"bucket_cap_mb": 1024} if cfg["impl"] == "ddp_powersgd" else {}
-        ddp = DistributedDataParallel(model, **buckets)
-        if cfg["impl"] == "ddp_powersgd":
+        ddp = DistributedDataParallel(model, **({"bucket_cap_mb": 1024} if cfg["impl"].endswith("_1bucket") else {}))
+        if cfg["impl"].startswith("ddp_powersgd"):
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
+            # The hook issues a bucket's P and Q all-reduces from gloo's callback thread while the
+            # backward issues the next bucket's from the main one, so ranks can order them differently
+            # (gloo's "collective mismatch"): each bucket gets a process group of its own, one state.
+            most = 2 + sum(p.numel() * p.element_size() for p in model.parameters()) // (25 << 20)
+            groups = [dist.new_group(backend="gloo") for _ in range(most)]  # DDP's buckets: 1 MiB, then 25
             state = powerSGD_hook.PowerSGDState(
                 process_group=None, matrix_approximation_rank=cfg["rank_r"], start_powerSGD_iter=2
             )
-            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+            def per_bucket_group(state, bucket):
+                state.process_group = groups[bucket.index()]  # read once, at the hook's start
+                return powerSGD_hook.powerSGD_hook(state, bucket)
+
+            ddp.register_comm_hook(state, per_bucket_group)
         elif cfg["impl"] == "ddp_fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -265,7 +270,7 @@ def main(argv=None) -> dict:
                 row["lossy"] = {k: v for k, v in schemes.items() if v in LOSSY}
                 row["merged"] = results["auto"]["rank0"].get("groups", [])
                 row["layers"] = len(schemes)
-                for base in ("ddp", "ddp_powersgd", "ddp_fp16", "exact"):
+                for base in ("ddp", "ddp_powersgd", "ddp_powersgd_1bucket", "ddp_fp16", "exact"):
                     ratios = sorted(
                         b["step_s"] / a["step_s"] for b, a in zip(runs.get(base, []), runs["auto"]) if a and b
                     )
@@ -274,13 +279,16 @@ def main(argv=None) -> dict:
                         row[f"auto_vs_{base}_spread"] = (ratios[0], ratios[-1])
             rows.append(row)
     lines = [
+        "Lossy against exact: auto compresses the layers listed (the rest exact); ddp and exact are exact; "
+        "ddp+PowerSGD and ddp+fp16 are lossy on every bucket.",
+        "",
         f"Step time, ms (median of the slowest rank), {args.workers} workers, replayed compute; speed-up = other ÷ auto"
         + (f" (median of {args.repeats} interleaved repeats' ratios, min–max)" if args.repeats > 1 else ""),
         "",
         "| link | model | "
         + " | ".join(impls)
-        + " | auto vs ddp | vs ddp+PowerSGD | vs ddp+fp16 | vs exact | lossy layers |",
-        "|---|---|" + "---|" * (len(impls) + 5),
+        + " | auto vs ddp | vs ddp+PowerSGD | vs ddp+PowerSGD, one bucket | vs ddp+fp16 | vs exact | lossy layers |",
+        "|---|---|" + "---|" * (len(impls) + 6),
     ]
 
     def fmt(r, k):
@@ -294,7 +302,8 @@ def main(argv=None) -> dict:
         lossy = f"{len(r['lossy'])} of {r['layers']}" if "lossy" in r else "-"
         lines.append(
             f"| {r['link']} | {r['model']} | {cells} | {fmt(r, 'auto_vs_ddp')} | {fmt(r, 'auto_vs_ddp_powersgd')} | "
-            f"{fmt(r, 'auto_vs_ddp_fp16')} | {fmt(r, 'auto_vs_exact')} | {lossy} |"
+            f"{fmt(r, 'auto_vs_ddp_powersgd_1bucket')} | {fmt(r, 'auto_vs_ddp_fp16')} | {fmt(r, 'auto_vs_exact')} | "
+            f"{lossy} |"
         )
     lines += [
         "",
@@ -329,6 +338,7 @@ def main(argv=None) -> dict:
         "min_speedup_auto_vs_ddp_fp16_100mbit": worst("100mbit", "auto_vs_ddp_fp16"),
         "min_speedup_auto_vs_ddp_1gbit": worst("1gbit", "auto_vs_ddp"),
         "min_speedup_auto_vs_ddp_powersgd_1gbit": worst("1gbit", "auto_vs_ddp_powersgd"),
+        "min_speedup_auto_vs_ddp_powersgd_1bucket_100mbit": worst("100mbit", "auto_vs_ddp_powersgd_1bucket"),
         "workers": args.workers,
         "powersgd_rank": args.rank,
         "repeats": args.repeats,
@@ -338,7 +348,13 @@ def main(argv=None) -> dict:
         **{
             f"{k}_{r['model']}_{r['link']}": round(r[k], 2)
             for r in rows
-            for k in ("auto_vs_ddp", "auto_vs_ddp_powersgd", "auto_vs_ddp_fp16", "auto_vs_exact")
+            for k in (
+                "auto_vs_ddp",
+                "auto_vs_ddp_powersgd",
+                "auto_vs_ddp_powersgd_1bucket",
+                "auto_vs_ddp_fp16",
+                "auto_vs_exact",
+            )
             if k in r
         },
     }

@@ -248,7 +248,7 @@ def run(model: str, impl: str, world: int, args, rate_bits: float) -> dict:
             "bench.paper", world, cfg, namespaces=names, timeout=args.timeout, what=f"{impl} {model} x{world}"
         )
     steps = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
-    out = {"step_s": statistics.median(steps), "rank0": ranks[0]}
+    out = {"step_s": statistics.median(steps), "steps_s": steps, "rank0": ranks[0]}
     for key in ("merge_groups", "alpha_s", "beta_s_per_byte", "candidates", "trial"):
         if ranks[0].get(key) is not None:
             out[key] = ranks[0][key]
@@ -314,7 +314,7 @@ def main(argv=None) -> dict:
         default=50.0,
         help="start-up per message the simulator charges (our event loop's, measured ~50 us)",
     )
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="timed iterations a point (the median is reported)")
     parser.add_argument(
         "--warmup",
         type=int,
@@ -326,7 +326,8 @@ def main(argv=None) -> dict:
         "--warmup-plain",
         type=int,
         default=4,
-        help="untimed iterations of the others (naive, wfbp, ddp: TCP's windows, first-touch pages)",
+        help="untimed iterations of the others (naive, wfbp, ddp: TCP's windows, first-touch pages; "
+        "they have no merge plan to try, which is what a merging mode's longer warm-up holds)",
     )
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--out", default="bench/out", help="where the figures and the raw results go")
@@ -435,8 +436,9 @@ def main(argv=None) -> dict:
                     summary[f"speedup_{model}_{impl}_{world}w"] = round(world * single / r["step_s"], 2)
         lines.append("")
     sim_error = sim_error_ideal = mg_sim = None
+    held_out: dict = {}
     if args.simulate:
-        sim_lines, sim_error, sim_error_ideal, mg_sim = simulate_beside(results, args, rate_bits, efficiency)
+        sim_lines, sim_error, sim_error_ideal, mg_sim, held_out = simulate_beside(results, args, rate_bits, efficiency)
         lines += sim_lines
     paths = figures(args.out, results, args, rate_bits)
     lines += [
@@ -451,6 +453,9 @@ def main(argv=None) -> dict:
         "speedup_vgg19_22k_16w": summary.get("speedup_vgg19_22k_poseidon_16w"),
         "sim_vs_emulated_max_error": round(sim_error, 3) if sim_error is not None else None,
         "sim_vs_emulated_max_error_ideal_links": round(sim_error_ideal, 3) if sim_error_ideal is not None else None,
+        "sim_vs_emulated_max_error_heldout": held_out.get("max"),
+        "sim_vs_emulated_mean_error_heldout": held_out.get("mean"),
+        "heldout_points": held_out.get("points", 0),
         "fan_in_efficiency": efficiency,
         "speedup_mgwfbp_vs_wfbp_64_sim": round(mg_sim, 3) if mg_sim is not None else None,
         "scale": args.scale,

@@ -2,16 +2,25 @@
 
 Four worker processes (``--workers``) meet at one TCPStore. gloo's process group, our PS nodes
 (one co-located shard per worker) and our worker mesh (``sync.allreduce``) share it. For each case
-all three average the same float32 tensors, interleaved repeat by repeat after a barrier, after
+all of them average the same float32 tensors, interleaved repeat by repeat after a barrier, after
 ``--warmup`` untimed rounds; a repeat's time is the slowest rank's, the figure the median over
-repeats. gloo computes the sum (then divides, to give the mean ours return). Every tensor is its
-own sync, all started at once (what the trainer does for layers ready together).
+repeats. Every tensor is its own sync of ours, all started at once (what the trainer does for layers
+ready together).
+
+gloo runs twice, both computing the sum (then dividing, to give the mean ours return), and every
+result is checked against the per-tensor one's: per tensor, one ``all_reduce`` a tensor (all started
+async, then waited: what a naive caller does; 38 calls for VGG19, 29 small ones for the
+transformer); and coalesced as PyTorch DDP does it, the tensors in reverse order (DDP's gradient-ready
+order) flattened into buckets of DDP's default sizes (the first closed at 1 MiB, the rest at
+25 MiB), one async ``all_reduce`` a bucket, then waited, divided and copied back into the tensors
+(flattening and copy-back timed, as DDP pays them; a bucket of one tensor, the 64 MiB case's, is
+reduced in place).
 
 Links: ``loopback``, and ``1gbit`` / ``100mbit``: every process in its own network namespace
 behind tc tbf (both directions), gloo capped exactly like us.
 
 Cases: one 64 MiB tensor; VGG19's 38 parameter tensors (143.7 M floats, 575 MB per worker); the
-transformer of ``bench train`` (32 tensors, 0.66 M floats: many small ones); a chunk-size sweep
+transformer of ``bench train`` (29 tensors, 0.65 M floats: many small ones); a chunk-size sweep
 (256 KiB to 16 MiB) on the 64 MiB tensor (loopback); with ``--bucket-sweep``, the transformer as
 the one message MG-WFBP makes of it, at each chunk size given, on every link. Then the
 shard-load table for VGG19: our ~2 MiB key-value pairs against one tensor per shard (stock
@@ -37,7 +46,31 @@ MiB = 1 << 20
 
 
 LINKS = {"loopback": None, "1gbit": "1gbit", "100mbit": "100mbit"}
-IMPLS = ("gloo", "ps", "allreduce", "direct")
+IMPLS = ("gloo", "gloo_coalesced", "ps", "allreduce", "direct")
+# DDP's default bucket caps: ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` for the first bucket
+# (the last layers' gradients, ready first), ``bucket_cap_mb=25`` for the rest.
+DDP_FIRST_BUCKET_BYTES = 1 * MiB
+DDP_BUCKET_BYTES = 25 * MiB
+
+
+def ddp_buckets(shapes, itemsize: int = 4) -> list:
+    """The tensor indices of each bucket DDP would all-reduce, in the order it launches them.
+
+    As DDP's reducer assigns buckets (``_compute_bucket_assignment_by_size``) over its parameters in
+    gradient-ready order, here the reverse of ``shapes``: a bucket is closed as soon as it holds at
+    least its cap (``DDP_FIRST_BUCKET_BYTES`` for the first, ``DDP_BUCKET_BYTES`` for the rest), so
+    one tensor larger than the cap is a bucket of its own.
+    """
+    buckets, current, size = [], [], 0
+    for i in reversed(range(len(shapes))):
+        current.append(i)
+        size += int(np.prod(shapes[i])) * itemsize
+        if size >= (DDP_BUCKET_BYTES if buckets else DDP_FIRST_BUCKET_BYTES):
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
 
 
 def _transformer_shapes() -> list:
@@ -92,7 +125,12 @@ def _worker(cfg: dict) -> None:
                 np.random.default_rng([rank, i]).standard_normal(s, dtype=np.float32) for i, s in enumerate(shapes)
             ]
             outs = [np.empty_like(g) for g in grads]
-            gloo_bufs = [torch.empty(s) for s in shapes]
+            # No new copy of the tensors for gloo coalesced (VGG19's are 575 MB a copy, and four ranks
+            # with two more each overflow a 23 GB machine): its tensors are `outs` (the PS's, written
+            # after it in the round) and its buckets' flat buffers hold the per-tensor side's tensors,
+            # so it runs first and its result is checked before either is overwritten.
+            coalesced, views = _flat_buckets(torch, [torch.from_numpy(o) for o in outs], ddp_buckets(shapes))
+            gloo_bufs = [torch.empty(s) if v is None else v for s, v in zip(shapes, views)]
             node = await PSNode.start(
                 manifest, PSConfig(chunk_bytes=chunk, sync_timeout=600), rendezvous=rdzv.job(f"case{n}")
             )
@@ -104,12 +142,21 @@ def _worker(cfg: dict) -> None:
             buckets = [Bucket(f"t{i}", [i], [i], [r], grads=[g]) for i, (g, r) in enumerate(zip(grads, reduced))]
             times = {impl: [] for impl in IMPLS}
             for clock in range(warmup + repeats):
+                for o, g in zip(outs, grads):
+                    np.copyto(o, g)
+                await asyncio.to_thread(dist.barrier)
+                started = time.perf_counter()
+                await asyncio.to_thread(_gloo_coalesced_mean, dist, coalesced, world)
+                times["gloo_coalesced"].append(time.perf_counter() - started)
                 for b, g in zip(gloo_bufs, grads):
                     b.copy_(torch.from_numpy(g))
                 await asyncio.to_thread(dist.barrier)
                 started = time.perf_counter()
                 await asyncio.to_thread(_gloo_mean, dist, gloo_bufs, world)
                 times["gloo"].append(time.perf_counter() - started)
+                if clock == warmup + repeats - 1:  # gloo coalesced (in outs) against gloo per tensor
+                    for o, b in zip(outs, gloo_bufs):
+                        np.testing.assert_allclose(o, b.numpy(), rtol=1e-4, atol=1e-5)
                 await asyncio.to_thread(dist.barrier)
                 started = time.perf_counter()
                 await asyncio.gather(
@@ -127,7 +174,7 @@ def _worker(cfg: dict) -> None:
                 np.testing.assert_allclose(r, b.numpy(), rtol=1e-4, atol=1e-5)
             await node.close()
             results[f"{n}:{name}"] = times
-            del grads, outs, gloo_bufs, reduced, buckets
+            del grads, outs, gloo_bufs, coalesced, views, reduced, buckets
         await mesh.close()
         dist.destroy_process_group()
         await rdzv.leave()
@@ -145,6 +192,41 @@ def _gloo_mean(dist, tensors, world: int) -> None:
     for w, t in zip(works, tensors):
         w.wait()
         t.div_(world)
+
+
+def _flat_buckets(torch, tensors, buckets) -> tuple:
+    """``[(flat, [(view of flat, tensor), ...]), ...]``, a bucket each: the flat buffer DDP allocates
+    once, the pairs what is copied in and back (a bucket of one tensor is that tensor, flat, reduced
+    in place, no pairs); and each tensor's view in its bucket's flat buffer (None in a bucket of one).
+    """
+    plan, views = [], [None] * len(tensors)
+    for idx in buckets:
+        if len(idx) == 1:
+            plan.append((tensors[idx[0]].view(-1), []))
+            continue
+        flat = torch.empty(sum(tensors[i].numel() for i in idx))
+        pairs, offset = [], 0
+        for i in idx:
+            n = tensors[i].numel()
+            views[i] = flat[offset : offset + n].view_as(tensors[i])
+            pairs.append((views[i], tensors[i]))
+            offset += n
+        plan.append((flat, pairs))
+    return plan, views
+
+
+def _gloo_coalesced_mean(dist, buckets, world: int) -> None:
+    """DDP's way: each bucket filled, then its ``all_reduce`` started; all waited, divided, copied back."""
+    works = []
+    for flat, pairs in buckets:
+        for view, t in pairs:
+            view.copy_(t)
+        works.append(dist.all_reduce(flat, async_op=True))
+    for w, (flat, pairs) in zip(works, buckets):
+        w.wait()
+        flat.div_(world)
+        for view, t in pairs:
+            t.copy_(view)
 
 
 def shard_load_table(shards: int) -> tuple:
@@ -214,12 +296,15 @@ def main(argv=None) -> dict:
             per_rank = launch("bench.ps", args.workers, cfg, timeout=args.timeout, what=f"bench ps on {link}")
         lines += [
             f"Aggregation across {args.workers} processes, {link}, seconds (median over {repeats} of the slowest rank)",
+            "gloo per tensor makes one all_reduce a tensor, as a naive caller does; gloo coalesced one a DDP",
+            "bucket (1 MiB first, then 25 MiB, tensors in reverse order), as DDP does. Ratios against each.",
             "",
-            "| case | gloo all_reduce | ours (PS) | ours (all-reduce, ring) | ours (all-reduce, direct) "
-            "| PS ÷ gloo | ring ÷ gloo | direct ÷ gloo |",
-            "|---|---|---|---|---|---|---|---|",
+            "| case | gloo calls (per tensor / coalesced) | gloo per tensor | gloo coalesced | ours (PS) "
+            "| ours (all-reduce, ring) | ours (all-reduce, direct) | PS ÷ gloo | ring ÷ gloo | direct ÷ gloo "
+            "| PS ÷ gloo coal. | ring ÷ gloo coal. | direct ÷ gloo coal. |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for n, (name, _, _) in enumerate(cases):
+        for n, (name, shapes, _) in enumerate(cases):
             med = {}
             for impl in IMPLS:
                 per_repeat = [max(r[f"{n}:{name}"][impl][i] for r in per_rank) for i in range(repeats)]
@@ -229,13 +314,21 @@ def main(argv=None) -> dict:
                 med["allreduce"] / med["gloo"],
                 med["direct"] / med["gloo"],
             )
-            suffix = "" if link == "loopback" else f"_{link}"
-            summary[f"ratio_vs_gloo_{name.replace('@', '_')}{suffix}"] = round(ratio, 3)
-            summary[f"allreduce_vs_gloo_{name.replace('@', '_')}{suffix}"] = round(ar_ratio, 3)
-            summary[f"direct_vs_gloo_{name.replace('@', '_')}{suffix}"] = round(direct_ratio, 3)
+            coal = {impl: med[impl] / med["gloo_coalesced"] for impl in ("ps", "allreduce", "direct", "gloo")}
+            key = f"{name.replace('@', '_')}{'' if link == 'loopback' else f'_{link}'}"
+            # The keys without "coalesced" are against gloo per tensor, as they always were.
+            summary[f"ratio_vs_gloo_{key}"] = round(ratio, 3)
+            summary[f"allreduce_vs_gloo_{key}"] = round(ar_ratio, 3)
+            summary[f"direct_vs_gloo_{key}"] = round(direct_ratio, 3)
+            summary[f"ratio_vs_gloo_coalesced_{key}"] = round(coal["ps"], 3)
+            summary[f"allreduce_vs_gloo_coalesced_{key}"] = round(coal["allreduce"], 3)
+            summary[f"direct_vs_gloo_coalesced_{key}"] = round(coal["direct"], 3)
+            summary[f"gloo_per_tensor_vs_gloo_coalesced_{key}"] = round(coal["gloo"], 3)
             lines.append(
-                f"| {name} | {med['gloo']:.3f} | {med['ps']:.3f} | {med['allreduce']:.3f} | {med['direct']:.3f} "
-                f"| {ratio:.2f} | {ar_ratio:.2f} | {direct_ratio:.2f} |"
+                f"| {name} | {len(shapes)} / {len(ddp_buckets(shapes))} | {med['gloo']:.3f} "
+                f"| {med['gloo_coalesced']:.3f} | {med['ps']:.3f} | {med['allreduce']:.3f} | {med['direct']:.3f} "
+                f"| {ratio:.2f} | {ar_ratio:.2f} | {direct_ratio:.2f} "
+                f"| {coal['ps']:.2f} | {coal['allreduce']:.2f} | {coal['direct']:.2f} |"
             )
         lines.append("")
     table8, mm8, tf8 = shard_load_table(8)
@@ -246,6 +339,9 @@ def main(argv=None) -> dict:
         "ratio_vs_gloo_64MiB": summary.get("ratio_vs_gloo_64MiB"),
         "ratio_vs_gloo_64MiB_1gbit": summary.get("ratio_vs_gloo_64MiB_1gbit"),
         "ratio_vs_gloo_vgg19_1gbit": summary.get("ratio_vs_gloo_vgg19_1gbit"),
+        "ratio_vs_gloo_coalesced_64MiB": summary.get("ratio_vs_gloo_coalesced_64MiB"),
+        "ratio_vs_gloo_coalesced_64MiB_1gbit": summary.get("ratio_vs_gloo_coalesced_64MiB_1gbit"),
+        "ratio_vs_gloo_coalesced_vgg19_1gbit": summary.get("ratio_vs_gloo_coalesced_vgg19_1gbit"),
         "max_over_mean_shard_bytes_vgg19_8shards": round(mm8, 4),
         "max_over_mean_one_tensor_per_shard_vgg19_8shards": round(tf8, 3),
         "workers": args.workers,
