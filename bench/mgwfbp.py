@@ -170,7 +170,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--device-tflops", type=float, default=2.0)
     parser.add_argument("--dilation", type=float, default=10.0)
     parser.add_argument("--measure", type=int, default=2, help="warm-up steps that measure before merging")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
     parser.add_argument(
         "--trial", type=int, default=3, help="trial steps of each plan for the default planner (mgwfbp)"
     )

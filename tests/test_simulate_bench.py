@@ -172,21 +172,13 @@ def test_bench_paper_runs_and_simulates_a_narrowed_hybcomm_beside_the_others(mon
 _SAVED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "data", "paper")
 
 
-@pytest.mark.parametrize(
-    "model, workers, impls",
-    [
-        ("vgg19", "1,2,4,8,16", "naive,wfbp,poseidon,ddp"),
-        ("vgg19_22k", "1,2,4,8,16", "naive,wfbp,poseidon,ddp"),
-        ("inception_v3", "1,2,4,8,16", "naive,wfbp,poseidon,ddp"),
-        ("resnet152", "1,2,4,8,16", "naive,wfbp,poseidon,ddp"),
-    ],
-)
-def test_the_simulator_stays_within_10_percent_of_the_saved_emulations(model, workers, impls, tmp_path):
-    # Issue 12's validation, kept: the emulated runs of `bench paper` (bench/data/paper, 2026-11-26)
-    # reported again against the simulator as it is now, with the links' fan-in and the per-layer
-    # overhead those runs measured. A change of the simulator that moves any point past 10 % fails
-    # here. Each point is its latest emulation. The worst is ResNet-152's WFBP at 8 (9.6 %); and
-    # ResNet-152's naive PS at 16 collapsed to 2325 ms in one run of four (bench/RESULTS.md).
+@pytest.mark.parametrize("model", ["vgg19", "vgg19_22k", "inception_v3", "resnet152"])
+def test_the_simulator_predicts_the_held_out_emulations_within_10_percent(model, tmp_path):
+    # The saved runs of `bench paper` (bench/data/paper) reported again against the simulator as it
+    # is now. It fits a layer's overhead on the one-worker run and takes the fan-in bench patterns
+    # measured on the same links; the points past two workers (4, 8, 16, every scheme) it fits
+    # nothing from. A change that moves any of them past 10 % fails here. Which saved runs came
+    # after the simulator's rules, and which its rules were fitted to: bench/RESULTS.md.
     from bench import paper
 
     out = paper.main(
@@ -194,9 +186,7 @@ def test_the_simulator_stays_within_10_percent_of_the_saved_emulations(model, wo
             "--models",
             model,
             "--workers",
-            workers,
-            "--impls",
-            impls,
+            "1,2,4,8,16",
             "--out",
             str(tmp_path),
             "--from-json",
@@ -204,4 +194,5 @@ def test_the_simulator_stays_within_10_percent_of_the_saved_emulations(model, wo
         ]
     )
     assert out["fan_in_efficiency"], "the saved fan-in curve was not found beside the saved runs"
-    assert out["sim_vs_emulated_max_error"] <= 0.10, out["sim_vs_emulated_max_error"]
+    assert out["heldout_points"] == 12
+    assert out["sim_vs_emulated_max_error_heldout"] <= 0.10, out["sim_vs_emulated_max_error_heldout"]
