@@ -84,8 +84,10 @@ def worker(cfg: dict) -> None:
             # The hook issues a bucket's P and Q all-reduces from gloo's callback thread while the
             # backward issues the next bucket's from the main one, so ranks can order them differently
             # (gloo's "collective mismatch"): each bucket gets a process group of its own, one state.
-            most = 2 + sum(p.numel() * p.element_size() for p in model.parameters()) // (25 << 20)
-            groups = [dist.new_group(backend="gloo") for _ in range(most)]  # DDP's buckets: 1 MiB, then 25
+            from poseidon_aio.plan.simulator import DDP_BUCKET_BYTES
+
+            most = 2 + sum(p.numel() * p.element_size() for p in model.parameters()) // DDP_BUCKET_BYTES
+            groups = [dist.new_group(backend="gloo") for _ in range(most)]  # a bound on DDP's bucket count
             state = powerSGD_hook.PowerSGDState(
                 process_group=None, matrix_approximation_rank=cfg["rank_r"], start_powerSGD_iter=2
             )

@@ -11,8 +11,8 @@ from typing import Optional
 from bench import parse_impl
 
 IMPLS = ["naive", "wfbp", "poseidon", "ddp"]
-# What the simulator may learn from: the one-worker runs (a layer's overhead) and bench patterns
-# (fan-in). Points at more workers than these are held out: it predicts them unseen.
+# The runs the simulator may learn from (it fits a layer's overhead on the one-worker run; the
+# fan-in comes from bench patterns). Points at more workers than these are held out: predicted unseen.
 FIT_WORLDS = (1, 2)
 
 
@@ -109,11 +109,12 @@ def simulate_beside(results: dict, args, rate_bits: float, efficiency: Optional[
             if world > 1 or not with_overhead:
                 errors[name].append(err)
             cells.append(f"{sim.time * 1e3:.0f} | {err * 100:.1f} %")
-        if world > max(FIT_WORLDS):
+        held = world > max(FIT_WORLDS)
+        if held:
             held_out.append(err)  # the last column's: everything the simulator knows
         steps = res.get("steps_s") or [res["step_s"]]
         emulated = f"{res['step_s'] * 1e3:.0f} ({min(steps) * 1e3:.0f}–{max(steps) * 1e3:.0f} of {len(steps)})"
-        kind = "held out" if world > max(FIT_WORLDS) else "fit" if world == 1 else "seen"
+        kind = "held out" if held else "fit" if world == 1 else "seen"
         lines.append(f"| {model} | {world} | {impl} | {kind} | {emulated} | " + " | ".join(cells) + " |")
     summary = {}
     if held_out:

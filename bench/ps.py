@@ -41,36 +41,21 @@ import time
 import numpy as np
 
 from bench import launch
+from poseidon_aio.plan import mgwfbp
 
 MiB = 1 << 20
 
 
 LINKS = {"loopback": None, "1gbit": "1gbit", "100mbit": "100mbit"}
 IMPLS = ("gloo", "gloo_coalesced", "ps", "allreduce", "direct")
-# DDP's default bucket caps: ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` for the first bucket
-# (the last layers' gradients, ready first), ``bucket_cap_mb=25`` for the rest.
-DDP_FIRST_BUCKET_BYTES = 1 * MiB
-DDP_BUCKET_BYTES = 25 * MiB
 
 
 def ddp_buckets(shapes, itemsize: int = 4) -> list:
-    """The tensor indices of each bucket DDP would all-reduce, in the order it launches them.
-
-    As DDP's reducer assigns buckets (``_compute_bucket_assignment_by_size``) over its parameters in
-    gradient-ready order, here the reverse of ``shapes``: a bucket is closed as soon as it holds at
-    least its cap (``DDP_FIRST_BUCKET_BYTES`` for the first, ``DDP_BUCKET_BYTES`` for the rest), so
-    one tensor larger than the cap is a bucket of its own.
-    """
-    buckets, current, size = [], [], 0
-    for i in reversed(range(len(shapes))):
-        current.append(i)
-        size += int(np.prod(shapes[i])) * itemsize
-        if size >= (DDP_BUCKET_BYTES if buckets else DDP_FIRST_BUCKET_BYTES):
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
+    """The tensor indices of each bucket DDP would all-reduce, in the order it launches them, each
+    in the order its tensors' gradients come (the reverse of ``shapes``): the trainer's rule for
+    DDP's buckets (``plan.mgwfbp.ddp_buckets``, 1 MiB first, then 25 MiB) on these tensors."""
+    sizes = [int(np.prod(s)) * itemsize for s in shapes]
+    return [[layer - 1 for layer in reversed(bucket)] for bucket in mgwfbp.ddp_buckets(sizes)]
 
 
 def _transformer_shapes() -> list:
