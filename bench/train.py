@@ -49,9 +49,10 @@ SETUPS = [("loopback", "real"), ("1gbit", "real"), ("1gbit", "replayed"), ("100m
 
 def impl_variant(impl: str) -> tuple:
     """``bench.parse_impl`` with this bench's settings: ours ``chunk``, ``merge``, ``allreduce``,
-    ``hybcomm`` (as ``ps+allreduce``), ``early`` (``OptimizerConfig.early_step_bytes``, 0: off); DDP's
-    ``sparse=1``."""
-    ours = {"chunk", "merge", "allreduce", "hybcomm", "early"}
+    ``hybcomm`` (as ``ps+allreduce``), ``early`` (``OptimizerConfig.early_step_bytes``, 0: off),
+    ``loop=own`` (the user's own loop: ``loss.backward()``, ``await trainer.synchronize()``,
+    ``opt.step()``, instead of ``await trainer.step(batch)``); DDP's ``sparse=1``."""
+    ours = {"chunk", "merge", "allreduce", "hybcomm", "early", "loop"}
     return parse_impl(impl, {"ddp": {"sparse"}, **{m: ours for m in IMPLS if m != "ddp"}})
 
 
@@ -142,12 +143,19 @@ def worker(cfg: dict) -> None:
                 optimizer_config=early,
                 **hybcomm,
             ) as trainer:
+                own = variant.get("loop") == "own"
                 for t in range(total):
-                    started, cpu0, loop0 = time.perf_counter(), time.process_time(), time.thread_time()
-                    stats.append(await trainer.step(mine))
+                    started, cpu0, loop0 = time.perf_counter(), time.process_time(), trainer.loop_cpu_s
+                    if own:  # as a DDP user's loop, on this thread
+                        opt.zero_grad()
+                        loss_fn(model(mine[0]), mine[1]).backward()
+                        stats.append(await trainer.synchronize())
+                        opt.step()
+                    else:
+                        stats.append(await trainer.step(mine))
                     times.append(time.perf_counter() - started)
                     cpu.append(time.process_time() - cpu0)
-                    loop_cpu.append(time.thread_time() - loop0)  # this thread runs the event loop
+                    loop_cpu.append(trainer.loop_cpu_s - loop0)  # the trainer's event loop thread
                     if t == 0 and replayed:  # the layers synced by factors compute no weight gradient
                         skip_weight_grad(model, [n for n, s in stats[0].schemes.items() if s in ("sfb", "adam")])
                 return stats, trainer.merge_groups, trainer.merge_info
@@ -337,6 +345,13 @@ def main(argv=None) -> dict:
                     row["speedup"] = statistics.median(ratios)
                     row["spread"] = (ratios[0], ratios[-1])
                     summary[f"speedup_vs_ddp_{tag}"] = round(row["speedup"], 2)
+                # Every other implementation's step ÷ the first's, repeat by repeat (the pairs ran
+                # minutes apart at most): the median and the spread.
+                row["vs_first"] = {}
+                for impl in impls[1:]:
+                    ratios = sorted(b["step_s"] / a["step_s"] for a, b in zip(runs[impls[0]], runs[impl]))
+                    row["vs_first"][impl] = (statistics.median(ratios), ratios[0], ratios[-1])
+                    summary[f"{impl}_over_{impls[0]}_{tag}"] = round(row["vs_first"][impl][0], 3)
                 rows.append(row)
     lines = [
         "Step time, ms (median of the slowest rank); "
@@ -361,6 +376,17 @@ def main(argv=None) -> dict:
         lines.append(
             f"| {r['link']} | {r['compute']} | {r['model']} | {r['workers']} | {cells} | {bound} | {speedup} | {cpu} |"
         )
+    if len(impls) > 1:
+        lines += [
+            "",
+            f"Step time ÷ {impls[0]}'s, the median of the repeats' ratios (min–max):",
+            "",
+            "| link | compute | model | workers | " + " | ".join(impls[1:]) + " |",
+            "|---|---|---|---|" + "---|" * (len(impls) - 1),
+        ]
+        for r in rows:
+            cells = " | ".join(f"{m:.3f} ({lo:.3f}–{hi:.3f})" for m, lo, hi in r["vs_first"].values())
+            lines.append(f"| {r['link']} | {r['compute']} | {r['model']} | {r['workers']} | {cells} |")
     print("\n".join(lines))
     for n in notes:
         print(f"\nnote: {n}")

@@ -339,10 +339,12 @@ def _run(args: argparse.Namespace) -> int:
     import socket
     import tempfile
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
+    from .errors import ConfigError
     from .net.credentials import TOKEN_ENV, TOKEN_FILE_ENV, self_signed, tls_env, token_from_env
 
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -362,8 +364,14 @@ def _run(args: argparse.Namespace) -> int:
     env["POSEIDON_ERRORS"] = "full" if args.debug else "brief"
     os.environ.update(env)
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = args.master_port or s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", args.master_port or 0))
+        except OSError as exc:
+            raise ConfigError(
+                f"--master-port {args.master_port} cannot be used here ({exc.strerror}): another job may hold it; "
+                "give another port, or leave --master-port out for a free one"
+            ) from None
+        port = s.getsockname()[1]
     torch_args = get_args_parser().parse_args(
         [
             f"--nproc-per-node={args.nproc}",
@@ -377,7 +385,10 @@ def _run(args: argparse.Namespace) -> int:
     if not args.debug:
         # torchrun's agent logs each SIGTERM it sends and a report per failure; the ranks have
         # already said what went wrong, in one line each.
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        # (Its modules set their own loggers' levels, so each is quietened, not just the parent.)
+        for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+            if name.startswith("torch.distributed.elastic"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         torchrun(torch_args)
         return 0
@@ -391,13 +402,21 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    except SignalException as exc:
+        if args.debug:
+            raise
+        print(f"poseidon-aio run: stopped by {exc.sigval.name}; every rank was stopped", file=sys.stderr)
+        return 128 + int(exc.sigval)
     finally:
         if tls_dir is not None:
             shutil.rmtree(tls_dir, ignore_errors=True)
 
 
 def main(argv=None) -> int:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="poseidon-aio", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"poseidon-aio {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="versions, the codec and event loop in use, network interfaces")
     info.add_argument("--require-extension", action="store_true", help="fail if the Cython codec is not built")
@@ -455,7 +474,13 @@ def main(argv=None) -> int:
     runner.add_argument("script_args", nargs=argparse.REMAINDER)
     runner.set_defaults(func=_run)
     args = parser.parse_args(argv)
-    return args.func(args)
+    from .errors import ConfigError
+
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"poseidon-aio {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -132,3 +132,54 @@ def test_a_failing_job_says_why_in_one_line_per_rank():
 def test_info_names_versions_and_interfaces():
     out = cli("info").stdout
     assert "versions: python" in out and "torch" in out and "interfaces: " in out and "lo 127.0.0.1" in out
+
+
+def test_version():
+    done = cli("--version")
+    assert done.returncode == 0 and done.stdout.startswith("poseidon-aio 0."), done
+
+
+def test_a_port_in_use_is_one_line_before_any_worker_starts():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = cli("run", "-n", "2", "--master-port", str(port), "tests/data/steps_until_stopped.py")
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"poseidon-aio run: --master-port {port} cannot be used here"), done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_rank_quietly_with_one_line_each():
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    job = subprocess.Popen(
+        [sys.executable, "-m", "poseidon_aio.cli", "run", "-n", "2", "tests/data/steps_until_stopped.py"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
+    try:
+        ready = set()
+        while len(ready) < 2:  # (each rank's first step done; the pipe ends if the job dies first)
+            line = job.stdout.readline()
+            assert line, f"the job ended before both ranks were ready: {job.stderr.read()[-3000:]}"
+            ready.add(line.strip())
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err and "never retrieved" not in err, err[-3000:]
+    # (asyncio's debug mode, which the suite runs in, may add its slow-callback warnings)
+    assert sorted(line for line in err.splitlines() if line.startswith("poseidon")) == [
+        "poseidon-aio run: stopped by SIGTERM; every rank was stopped",
+        "poseidon_aio rank 0: stopped by SIGTERM",
+        "poseidon_aio rank 1: stopped by SIGTERM",
+    ], err[-3000:]

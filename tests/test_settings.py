@@ -32,7 +32,7 @@ def _trainer(**settings):
             "PSConfig.server_sgd",
         ),
         (lambda: _trainer(ps=poseidon_aio.PSConfig(checkpoint_dir="/tmp/x")), "PSConfig.checkpoint_dir"),
-        (lambda: _trainer(batch_loss=lambda model, batch: model(batch).sum()), "exactly one of loss_fn"),
+        (lambda: _trainer(batch_loss=lambda model, batch: model(batch).sum()), "or batch_loss, not both"),
         (lambda: poseidon_aio.AllReduceConfig("tree"), "AllReduceConfig.algorithm"),
         (lambda: poseidon_aio.OptimizerConfig(early_step_bytes=0), "OptimizerConfig.early_step_bytes"),
         (lambda: poseidon_aio.StartupConfig(timeout=0), "StartupConfig.timeout"),

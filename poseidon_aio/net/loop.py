@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import os
+import signal
 import sys
+import threading
 import time
 from concurrent.futures import Executor
 from typing import Any, Callable, Coroutine, Hashable, Optional, TypeVar
@@ -36,18 +40,41 @@ def run(main: Coroutine[Any, Any, T], *, debug: bool | None = None) -> T:
     Under ``poseidon-aio run`` (which sets ``POSEIDON_ERRORS=brief`` unless given ``--debug``) a
     :class:`~poseidon_aio.errors.PoseidonError` ends the process with one line on stderr naming
     the rank and the cause, instead of a traceback per rank; other exceptions (bugs) keep theirs.
+    SIGTERM (a launcher stopping the job) cancels ``main``, so a trainer leaves the job and its
+    parameter server cleanly, and ends the process with one line and exit code 143.
 
     >>> async def answer(): return 42
     >>> run(answer())
     42
     """
+    terminated: list = []
+
+    async def until_terminated() -> T:
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+
+        def stop() -> None:
+            terminated.append(True)
+            # Every rank is being stopped: the peers a shard or a link loses now are no news.
+            logging.getLogger("poseidon_aio").setLevel(logging.ERROR)
+            task.cancel()
+
+        try:
+            loop.add_signal_handler(signal.SIGTERM, stop)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+            pass
+        return await main
+
+    rank = os.environ.get("RANK", "?")
     try:
         with asyncio.Runner(loop_factory=new_event_loop, debug=debug) as runner:
-            return runner.run(main)
-    except PoseidonError as exc:
-        if os.environ.get(ERRORS_ENV) != "brief":
+            return runner.run(until_terminated())
+    except BaseException as exc:
+        if terminated:
+            print(f"poseidon_aio rank {rank}: stopped by SIGTERM", file=sys.stderr)
+            raise SystemExit(128 + signal.SIGTERM) from None
+        if not isinstance(exc, PoseidonError) or os.environ.get(ERRORS_ENV) != "brief":
             raise
-        print(f"poseidon_aio rank {os.environ.get('RANK', '?')}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"poseidon_aio rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
 
 
@@ -103,3 +130,96 @@ class Offload:
         finally:
             if key in self._took or len(self._took) < OFFLOAD_KEYS:  # past the bound: left on the executor
                 self._took[key] = time.thread_time() - started
+
+
+class LoopThread:
+    """An event loop of the caller's kind (uvloop or asyncio's, its debug mode) on a thread of its
+    own, and coroutines run there from the caller's loop.
+
+    The trainer moves bytes on it while the caller's thread runs the model: the syncs that a
+    user's own ``loss.backward()`` starts from its hooks then overlap the rest of that backward
+    (WFBP), as they do beside the trainer's compute thread inside ``step()``. Errors the loop's
+    exception handler is given go to the caller's loop's handler.
+
+    >>> # thread = LoopThread(); result = await thread.run(coro()); await thread.close()
+    """
+
+    def __init__(self, name: str = "poseidon-loop") -> None:
+        caller = asyncio.get_running_loop()
+        self.loop = uvloop.new_event_loop() if is_uvloop(caller) else asyncio.new_event_loop()
+        self.loop.set_debug(caller.get_debug())
+        self.loop.set_exception_handler(functools.partial(_forward_to, caller))
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def cpu_s(self) -> float:
+        """CPU seconds the thread has used so far (the loop's own work: syncs, codecs, hooks' wake-ups)."""
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
+        except (AttributeError, OSError):  # no per-thread clocks here, or the thread has ended
+            return 0.0
+
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``await coro`` on the thread's loop. Cancelling this cancels it there, and returns once
+        it has unwound (so what the caller does next never races its cleanup)."""
+        caller = asyncio.get_running_loop()
+        outcome = caller.create_future()
+        box: list = []
+
+        def settle(task: asyncio.Task) -> None:  # on the caller's loop
+            if outcome.done():
+                return
+            if task.cancelled():
+                outcome.cancel()
+            elif task.exception() is not None:
+                outcome.set_exception(task.exception())
+            else:
+                outcome.set_result(task.result())
+
+        def start() -> None:  # on the thread's loop
+            task = self.loop.create_task(coro)
+            box.append(task)
+            task.add_done_callback(lambda t: _call_soon(caller, settle, t))
+
+        self.loop.call_soon_threadsafe(start)
+        try:
+            return await asyncio.shield(outcome)
+        except asyncio.CancelledError:
+            # ``start`` was queued first: the task exists when this runs. Its outcome is not
+            # news (the caller is cancelled), but it is retrieved, so no "never retrieved" report.
+            self.loop.call_soon_threadsafe(lambda: box[0].cancel())
+            outcome.add_done_callback(lambda f: f.cancelled() or f.exception())
+            await asyncio.wait([outcome])
+            raise
+
+    async def close(self) -> None:
+        """Cancel what still runs there, stop the loop, end the thread."""
+
+        async def wind_down() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.loop.shutdown_asyncgens()
+            await self.loop.shutdown_default_executor()
+
+        if self.loop.is_closed():
+            return
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(wind_down(), self.loop))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self.loop.close()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the caller's loop is closed: nobody waits any more
+        pass
+
+
+def _forward_to(caller: asyncio.AbstractEventLoop, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    if caller.is_closed():
+        loop.default_exception_handler(context)
+    else:
+        _call_soon(caller, caller.call_exception_handler, context)

@@ -264,9 +264,13 @@ class AllReduceSyncer(Syncer):
                 for c, start, stop in mine
             ]
             await self._bounded(asyncio.gather(*sends), bucket, clock, "sending its parts")
-            for n in await self._bounded(asyncio.gather(*reduce_tasks), bucket, clock, "the other ranks' parts"):
+            from_ranks = {q: fut for (_, q), (fut, _) in parts.items()}
+            for n in await self._bounded(
+                asyncio.gather(*reduce_tasks), bucket, clock, "the other ranks' parts", [*from_ranks.items()]
+            ):
                 sent += n
-            frames = await self._bounded(asyncio.gather(*gathers.values()), bucket, clock, "the reduced chunks")
+            owners = [(layout.chunks[c][0], fut) for c, fut in gathers.items()]
+            frames = await self._bounded(asyncio.gather(*gathers.values()), bucket, clock, "the reduced chunks", owners)
         except BaseException:
             for fut, _ in parts.values():
                 fut.cancel()
@@ -417,11 +421,15 @@ class AllReduceSyncer(Syncer):
         if len(pool) < 4 * self.world:
             pool.append(buf)
 
-    async def _bounded(self, aw, bucket: Bucket, clock: int, what: str):
+    async def _bounded(self, aw, bucket: Bucket, clock: int, what: str, waits: Sequence[tuple] = ()):
+        """``await aw`` within the sync timeout; ``waits``: ``[(rank, future)]`` it waits on, so the
+        error names the ranks that never sent (a wait cancelled by the timeout did not arrive)."""
         try:
             return await asyncio.wait_for(aw, self._timeout)
         except TimeoutError:
+            late = sorted({q for q, fut in waits if fut.cancelled() or not fut.done()})
+            who = f" from rank(s) {late}" if late else ""
             raise SyncTimeout(
-                f"rank {self.rank}: all-reduce of {bucket.label} at clock {clock}: {what} did not arrive within "
-                f"{self._timeout} s; a worker may be dead or stalled"
+                f"rank {self.rank}: all-reduce of {bucket.label} at clock {clock}: {what}{who} did not arrive "
+                f"within {self._timeout} s; a worker may be dead or stalled"
             ) from None

@@ -97,16 +97,18 @@ class MergeRuntime(MergePlanner):
         shards: int,
         scheme: Scheme = Scheme.PS,
         calibration: Sequence[tuple] = (),
+        first: int = 0,
     ) -> None:
         super().__init__(config, world, shards, scheme, calibration)
         self.rank = rank
+        self.first = first  # the first measured clock
 
     def measuring(self, clock: int) -> bool:
-        return clock < self.config.after
+        return self.first <= clock < self.first + self.config.after
 
     def due(self, clock: int) -> bool:
         """Whether the plan is made after the step of ``clock``."""
-        return clock == self.config.after - 1
+        return clock == self.first + self.config.after - 1
 
     async def agree(
         self, rdzv, generation: int, layers: Sequence[int], names: Sequence[str], sizes: Sequence[int]

@@ -54,6 +54,8 @@ class SFBSyncer(Syncer):
         u, v = bucket.factors
         waits = {r: conn.expect(Kind.FACTORS, key, clock) for r, conn in self._peers.items()}
         parts = factors.encode(u, v)
+        arrived = asyncio.gather(*waits.values())
+        arrived.add_done_callback(_retrieved)  # (cancelled with the sync: its outcome is no news)
         try:
             await asyncio.gather(
                 *(
@@ -61,13 +63,14 @@ class SFBSyncer(Syncer):
                     for conn in self._peers.values()
                 )
             )
-            frames = await asyncio.wait_for(asyncio.gather(*waits.values()), self._timeout)
+            frames = await asyncio.wait_for(arrived, self._timeout)
         except asyncio.CancelledError:
             for w in waits.values():
                 w.cancel()
             raise
         except TimeoutError:
-            missing = sorted(r for r, w in waits.items() if not w.done())
+            # (The timeout cancelled the waits still open: those are the ranks that never sent.)
+            missing = sorted(r for r, w in waits.items() if w.cancelled() or not w.done())
             raise SyncTimeout(
                 f"rank {self.rank}: sufficient factors of layer {bucket.label} at clock {clock} did not arrive from "
                 f"ranks {missing} within {self._timeout} s"
@@ -85,3 +88,8 @@ class SFBSyncer(Syncer):
         return SyncResult(
             factors.nbytes(u.shape[0], m, n) * len(self._peers), sum(f.header.length for f in frames), work=rebuilt
         )
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()

@@ -80,6 +80,7 @@ class Applier:
         # it runs on the loop (the compute thread is idle by then). A GPU's waits on its streams.
         self.stepper = Offload(compute, budget_s=0.0 if gpu else INLINE_BUDGET_S)
         self.early_step_bytes = settings.optimizer.early_step_bytes
+        self.clip_grad_norm = settings.optimizer.clip_grad_norm
         self.staleness = settings.ps.staleness
         self.gpu = gpu
         self.plan: Optional[SchemePlan] = None
@@ -100,7 +101,26 @@ class Applier:
             for task in state.syncs:
                 task.cancel()
             raise
-        await self.stepper.run("optimizer", self.optimizer_step, state)
+        if state.scaler is not None or self.clip_grad_norm is not None:
+            await self.stepper.run("optimizer", self.scaled_step, state)
+        else:
+            await self.stepper.run("optimizer", self.optimizer_step, state)
+
+    def scaled_step(self, state: StepState) -> None:
+        """One optimizer step over every parameter, through the caller's GradScaler (unscaled,
+        clipped, skipped where a gradient is inf or NaN) and the clipping of the settings. Every
+        rank holds the same averaged bits, so every rank skips or steps alike."""
+        self.put_grads(state, list(range(len(self.named))))
+        scaler = state.scaler
+        if self.clip_grad_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_([p for _, p in self.named if p.grad is not None], self.clip_grad_norm)
+        if scaler is None:
+            self.optimizer.step()
+        else:
+            scaler.step(self.optimizer)
+            scaler.update()
 
     def _steps_early(self, state: StepState) -> bool:
         """Whether ``state``'s optimizer step may start on the parameters whose syncs are in while
@@ -110,6 +130,8 @@ class Applier:
         least = self.early_step_bytes
         if (
             least is None
+            or state.scaler is not None  # (one decision over every gradient: inf anywhere skips the step)
+            or self.clip_grad_norm is not None  # (the norm is over every gradient)
             or self.gpu
             or self.staleness
             or type(self.optimizer) not in PER_PARAMETER_OPTIMIZERS
@@ -159,15 +181,41 @@ class Applier:
                 state.work.append((f"optimizer, {len(landed)} tensors", started, time.perf_counter(), "optimizer"))
                 landed = []
 
+    async def land(self, state: StepState) -> None:
+        """Await ``state``'s syncs and put their results in ``param.grad``, without stepping the
+        optimizer: the user's loop clips, unscales and steps it (``Trainer.synchronize``).
+
+        Raises:
+            the first failed sync's error (the others are cancelled).
+        """
+        try:
+            await asyncio.gather(*state.syncs)
+        except BaseException:
+            for task in state.syncs:
+                task.cancel()
+            raise
+        await self.stepper.run("land", self.put_grads, state, list(range(len(self.named))))
+
     def optimizer_step(self, state: StepState, ids: Optional[list] = None) -> None:
         """Put ``state``'s aggregates in ``param.grad`` and step the optimizer: on the manifest
         indices ``ids`` only (their syncs have landed), or on every parameter not stepped yet."""
+        chosen = ids if ids is not None else [i for i in range(len(self.named)) if i not in state.stepped]
+        self.put_grads(state, chosen)
+        if ids is None and not state.stepped:
+            self.optimizer.step()
+        elif ids is not None:
+            step_some(self.optimizer, {id(self.named[i][1]) for i in ids}, keep=True)
+            state.stepped.update(ids)
+        else:
+            step_some(self.optimizer, {id(self.named[i][1]) for i in state.stepped}, keep=False)
+
+    def put_grads(self, state: StepState, chosen: list) -> None:
+        """``state``'s aggregates of the manifest indices ``chosen`` into ``param.grad``."""
         # A parameter no rank used keeps grad None so the optimizer skips it, as it would in one
         # process: one this rank did not use is checked for an exactly zero aggregate (every rank
         # sees the same aggregate, so every rank decides alike); scanning every aggregate would
         # cost a pass over the model's gradients per step. A parameter frozen for this step
         # (requires_grad off) gets no gradient either.
-        chosen = ids if ids is not None else [i for i in range(len(self.named)) if i not in state.stepped]
         wanted = set(chosen)
         for layer in self.plan.layers:
             if self.plan.host_outs(layer):
@@ -188,10 +236,3 @@ class Applier:
                     p.grad = agg if bool(agg.any()) else None
                 else:
                     p.grad = agg
-        if ids is None and not state.stepped:
-            self.optimizer.step()
-        elif ids is not None:
-            step_some(self.optimizer, {id(self.named[i][1]) for i in ids}, keep=True)
-            state.stepped.update(ids)
-        else:
-            step_some(self.optimizer, {id(self.named[i][1]) for i in state.stepped}, keep=False)

@@ -24,7 +24,17 @@ from ..ps.checkpoint import fsync_dir, newest_common, write_atomic
 
 FORMAT = 1
 
-__all__ = ["complete_clocks", "load", "newest_common", "newest_everywhere", "prune", "read", "snapshot", "write"]
+__all__ = [
+    "complete_clocks",
+    "load",
+    "newest_common",
+    "newest_everywhere",
+    "newest_of_rank_0",
+    "prune",
+    "read",
+    "snapshot",
+    "write",
+]
 
 
 def _step_dir(root: str, clock: int) -> Path:
@@ -60,8 +70,9 @@ def _meta(root: str, clock: int, rank: int):
         return None
 
 
-def complete_clocks(root: str, rank: int, world: int, model_digest: str) -> list:
-    """Clocks at which rank ``rank`` has a complete checkpoint of this model and world size."""
+def complete_clocks(root: str, rank: int, world, model_digest: str) -> list:
+    """Clocks at which rank ``rank`` has a complete checkpoint of this model and world size
+    (``world`` None: of any world size)."""
     base = Path(root)
     if not base.is_dir():
         return []
@@ -74,7 +85,7 @@ def complete_clocks(root: str, rank: int, world: int, model_digest: str) -> list
         meta = _meta(root, clock, rank)
         if (
             meta
-            and meta.get("world") == world
+            and (world is None or meta.get("world") == world)
             and meta.get("model") == model_digest
             and (where / f"rank-{rank}.pt").is_file()
         ):
@@ -119,16 +130,39 @@ async def newest_everywhere(directory: str, rendezvous, rank: int, world: int, m
     Raises:
         CheckpointError: no clock every rank has (the message names each rank's clocks).
     """
-    mine = await run(complete_clocks, directory, rank, world, model_digest)
-    seen = await rendezvous.exchange("restore/clocks", json.dumps(mine), range(world))
-    by_rank = {r: json.loads(text) for r, text in seen.items()}
-    clock = newest_common(by_rank)
+    clock, by_rank = await _agreed(rendezvous, "restore/clocks", world, run, directory, rank, world, model_digest)
     if clock is None:
         raise CheckpointError(
             f"rank {rank}: no checkpoint of this model and world size ({world}) in {directory} that every rank has "
             f"(complete clocks per rank: {by_rank})"
         )
     return clock
+
+
+async def newest_of_rank_0(directory: str, rendezvous, rank: int, world: int, model_digest: str, run) -> tuple:
+    """The newest clock at which every rank can read rank 0's complete checkpoint of this model,
+    of any world size (restoring at another world size: the replicas were identical, so rank 0's
+    model and optimizer are everyone's), and that checkpoint's world size.
+
+    Raises:
+        CheckpointError: none every rank can read (a directory not shared: copy rank 0's files).
+    """
+    clock, by_rank = await _agreed(rendezvous, "restore/rank-0-clocks", world, run, directory, 0, None, model_digest)
+    if clock is None:
+        raise CheckpointError(
+            f"rank {rank}: no checkpoint of this model in {directory} at this world size ({world}), nor one of rank "
+            f"0's at another that every rank can read (clocks of rank 0's each rank sees: {by_rank}); to change the "
+            "world size, give every rank rank 0's files (step-*/rank-0.*)"
+        )
+    return clock, _meta(directory, clock, 0)["world"]
+
+
+async def _agreed(rendezvous, name: str, world: int, run, *where) -> tuple:
+    """``(newest clock in every rank's complete_clocks(*where), {rank: its clocks})``."""
+    mine = await run(complete_clocks, *where)
+    seen = await rendezvous.exchange(name, json.dumps(mine), range(world))
+    by_rank = {r: json.loads(text) for r, text in seen.items()}
+    return newest_common(by_rank), by_rank
 
 
 def snapshot(clock: int, model, optimizer, plans: dict, merge_info: dict, compression: dict) -> dict:
@@ -149,8 +183,9 @@ def snapshot(clock: int, model, optimizer, plans: dict, merge_info: dict, compre
     }
 
 
-def load(state: dict, model, optimizer) -> None:
-    """Put a :func:`snapshot`'s model, optimizer and RNG state back."""
+def load(state: dict, model, optimizer, rng: bool = True) -> None:
+    """Put a :func:`snapshot`'s model, optimizer and (``rng``) RNG state back."""
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"])
+    if rng:
+        torch.set_rng_state(state["rng"])

@@ -10,15 +10,17 @@ starts its scheme's syncer. This module is the only place that reads a scheme's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
+from ..errors import ConfigError
 from ..plan import Mode, Scheme
 from ..sync import Bucket, Merging, syncer_class
-from .layers import FactorCapture, GradReady, Layer
+from .layers import FactorCapture, GradReady, Layer, TokenCount
 from .staging import Staging
 from .step import Aggregates, StepState
 from .trace import Span
@@ -72,6 +74,7 @@ class Dispatch:
     """Starts each layer's sync for the step in flight.
 
     Args:
+        model: the model (the end of its forward is timed: MG-WFBP's backward starts there).
         layers: the model's layers.
         mode: the trainer's :class:`Mode` (``naive`` holds every sync until the backward is over).
         staging: host buffers for a GPU model's tensors.
@@ -79,7 +82,9 @@ class Dispatch:
         reduce: the executor that stages a GPU layer's buffers off the loop.
     """
 
-    def __init__(self, layers: list, mode: Mode, staging: Staging, aggregates: Aggregates, reduce) -> None:
+    def __init__(
+        self, model: torch.nn.Module, layers: list, mode: Mode, staging: Staging, aggregates: Aggregates, reduce
+    ) -> None:
         self.layers = layers
         self.mode = mode
         self.staging = staging
@@ -96,6 +101,9 @@ class Dispatch:
         self.captures = {
             layer.index: FactorCapture(layer, self._on_ready_threadsafe) for layer in layers if layer.factorable
         }
+        self._tokens: list = []  # the planning step's token counts (embeddings)
+        self.accumulating = False  # inside no_sync(): backward passes report nothing
+        self._forward_end = model.register_forward_hook(self._forwarded)
 
     def route(self, plan: SchemePlan, syncers: dict) -> None:
         """Send the layers by ``plan`` through ``syncers``, from the next step."""
@@ -107,13 +115,52 @@ class Dispatch:
         self._wake_with = wake_with  # read by the backward's hooks: replaced whole, never edited
 
     def arm(self, state: StepState) -> None:
-        """Get the hooks ready for ``state``'s backward: gradients or factors, by scheme."""
-        for layer in self.layers:
-            captures = self.plan.captures(layer)
-            self.ready[layer.index].reset(enabled=not captures)
-            if layer.index in self.captures:
-                self.captures[layer.index].reset(enabled=captures)
+        """Get the hooks ready for ``state``'s backward: gradients or factors, by scheme.
+
+        Before there is a plan, the step is the planning step: every layer's gradient is made and
+        held (an FC layer's factors kept beside it, an embedding's tokens counted), and its rows
+        are what the plan is made on, once the backward is over (:meth:`rows`); no second forward."""
+        for count in self._tokens:  # (a planning step armed again: after a restore)
+            count.remove()
+        self._tokens = []
+        if self.plan is None:
+            state.holding = True
+            for layer in self.layers:
+                self.ready[layer.index].reset(enabled=True)
+                if layer.index in self.captures:
+                    self.captures[layer.index].reset(enabled=True, alongside=True)
+            self._tokens = [TokenCount(layer) for layer in self.layers if layer.row_sparse]
+        else:
+            for layer in self.layers:
+                captures = self.plan.captures(layer)
+                self.ready[layer.index].reset(enabled=not captures)
+                if layer.index in self.captures:
+                    self.captures[layer.index].reset(enabled=captures)
         self.state = state
+
+    @contextlib.contextmanager
+    def accumulating_locally(self) -> Iterator[None]:
+        """The backward passes run inside add into ``param.grad`` (and an SFB layer's factors
+        into its captured rows) and start no sync; the first backward after sends the sum."""
+        if self.accumulating:
+            raise ConfigError("no_sync() is already on: its contexts do not nest")
+        self.accumulating = True
+        try:
+            yield
+        finally:
+            self.accumulating = False
+            for ready in self.ready.values():
+                ready.rearm()
+
+    def rows(self) -> dict:
+        """K per layer in the planning step's forward: an FC layer's input rows, an embedding's
+        distinct tokens (the rows its gradient can have)."""
+        rows = {cap.layer.name: sum(cap.rows) for cap in self.captures.values()}
+        for count in self._tokens:
+            rows[count.layer.name] = count.rows
+            count.remove()
+        self._tokens = []
+        return rows
 
     def launch_rest(self, state: StepState) -> None:
         """After the backward: the naive mode's held layers, and layers that gave no gradient."""
@@ -122,22 +169,28 @@ class Dispatch:
             self._launch(state, layer)
 
     def remove(self) -> None:
-        for hook in [*self.ready.values(), *self.captures.values()]:
+        for hook in [*self.ready.values(), *self.captures.values(), *self._tokens, self._forward_end]:
             hook.remove()
         self.ready.clear()
         self.captures.clear()
 
     # -- on the compute thread --------------------------------------------------------------
 
+    def _forwarded(self, module, inputs, output) -> None:
+        if self.state is not None:
+            self.state.forward_end = time.perf_counter()
+
     def _on_ready_threadsafe(self, layer: Layer) -> None:
         # A staged layer's copies run later, off the loop: what they copy is taken here, where
         # the backward made it, with the point on its stream where it was made. Read later on
         # another thread, under SSP ``p.grad`` is being replaced by the next step's backward
         # (autograd writes it without the GIL) and the factor captures reset by its forward.
+        if self.accumulating:
+            return
         state = self.state
         if self.gpu:
             cap = self.captures.get(layer.index)
-            if cap is not None and self.plan.captures(layer) and cap.captured:
+            if cap is not None and (self.plan is None or self.plan.captures(layer)) and cap.captured:
                 u, v = cap.factors()
                 state.taken[("factors", layer.index)] = (u, v, self.staging.ready_event(u))
             for i, (_, p) in zip(layer.param_ids, layer.params):
@@ -189,11 +242,14 @@ class Dispatch:
     def _launch(self, state: StepState, layer: Layer, ready_at: Optional[float] = None) -> None:
         if layer.index in state.launched:
             return
-        if self.mode is Mode.NAIVE and not state.compute_done:
-            state.deferred.append(layer)  # naive: nothing moves until the backward is over
+        if (state.holding or self.mode is Mode.NAIVE) and not state.compute_done:
+            # Naive: nothing moves until the backward is over; the planning step: nor until the plan.
+            if state.holding:  # (its ready times are the merge planner's first samples)
+                state.ready_at.setdefault(layer.index, ready_at or time.perf_counter())
+            state.deferred.append(layer)
             return
         state.launched.add(layer.index)
-        state.ready_at[layer.index] = ready_at or time.perf_counter()
+        state.ready_at.setdefault(layer.index, ready_at or time.perf_counter())
         scheme = self.plan.schemes[layer.index]
         span = Span(layer.name, scheme, state.ready_at[layer.index], time.perf_counter())
         if self.gpu:  # the host copies wait on CUDA streams: off the loop

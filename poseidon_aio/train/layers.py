@@ -115,7 +115,8 @@ class _FactoredLinear(torch.autograd.Function):
     def backward(ctx, g):
         (weight,) = ctx.saved_tensors
         ctx.capture.keep_u(ctx.call, g)
-        grad_x = g.matmul(weight) if ctx.needs_input_grad[0] else None
+        # Under autocast the output (so g) is in the autocast dtype while the weight is float32.
+        grad_x = g.matmul(weight.to(g.dtype)) if ctx.needs_input_grad[0] else None
         return grad_x, None, None, None, None
 
 
@@ -135,6 +136,7 @@ class FactorCapture:
         self.layer = layer
         self.on_ready = on_ready
         self.enabled = False
+        self.alongside = False  # factors kept beside autograd's own gradient (the planning step)
         self.rows: list = []
         self._vs: list = []
         self._us: dict = {}
@@ -148,10 +150,12 @@ class FactorCapture:
         else:
             self._handle = module.register_forward_hook(self._hooked)
 
-    def reset(self, enabled: bool) -> None:
-        """Forget the last step's rows; capture this step's if ``enabled``."""
+    def reset(self, enabled: bool, alongside: bool = False) -> None:
+        """Forget the last step's rows; capture this step's if ``enabled``. ``alongside``: keep
+        the factors without reporting the layer ready, and let autograd compute the weight's
+        gradient too (the first step, planned once its backward is over, may send either)."""
         self._vs, self._us, self._calls, self.rows = [], {}, 0, []
-        self.enabled = enabled
+        self.enabled, self.alongside = enabled, enabled and alongside
 
     def _capturing(self, x: torch.Tensor, grad_flows: bool) -> Optional[int]:
         """Count the call's rows; if its factors are wanted, keep v and return the call number."""
@@ -171,6 +175,10 @@ class FactorCapture:
         call = self._capturing(x, torch.is_grad_enabled())
         if call is None:
             return F.linear(x, module.weight, module.bias)
+        if self.alongside:
+            out = F.linear(x, module.weight, module.bias)
+            out.register_hook(lambda g: self.keep_u(call, g))
+            return out
         return _FactoredLinear.apply(x, module.weight, module.bias, self, call)
 
     def _hooked(self, module: nn.Module, inputs, output) -> None:
@@ -183,7 +191,7 @@ class FactorCapture:
         with self._lock:
             self._us[call] = g.detach().reshape(-1, self.layer.module.weight.shape[0])
             done = len(self._us) == self._calls
-        if done:
+        if done and not self.alongside:
             self.on_ready(self.layer)
 
     def factors(self) -> tuple:
@@ -220,6 +228,12 @@ class GradReady:
         self._fired = set()
         self.enabled = enabled
 
+    def rearm(self) -> None:
+        """Forget the hooks of the backward passes so far (accumulated without a sync): the
+        next backward reports the layer once all its parameters are in again."""
+        with self._lock:
+            self._fired = set()
+
     def _hook(self, param: torch.Tensor) -> None:
         if not self.enabled:
             return
@@ -232,3 +246,23 @@ class GradReady:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+class TokenCount:
+    """A forward pre-hook on an embedding that keeps the tokens it is called with: their distinct
+    count is the rows its gradient can have."""
+
+    def __init__(self, layer: Layer) -> None:
+        self.layer = layer
+        self._seen: list = []
+        self._handle = layer.module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module: nn.Module, inputs) -> None:
+        self._seen.append(inputs[0].detach().reshape(-1))
+
+    @property
+    def rows(self) -> int:
+        return int(torch.cat(self._seen).unique().numel()) if self._seen else 0
+
+    def remove(self) -> None:
+        self._handle.remove()

@@ -28,12 +28,20 @@ class MergeTuning:
         rebuild: ``await rebuild(groups)`` restarts the syncers with ``{Scheme: groups}`` from
             the next clock (steps in flight are applied first).
         merge_info: the plan in force when a checkpoint was taken (``{}``: none).
+        first_clock: the first step it sees (the planning step before it, whose syncs waited for
+            the plan, is no sample of anything).
     """
 
     def __init__(
-        self, settings: Settings, planning: Planning, rebuild: Callable[[dict], Awaitable[None]], merge_info: dict
+        self,
+        settings: Settings,
+        planning: Planning,
+        rebuild: Callable[[dict], Awaitable[None]],
+        merge_info: dict,
+        first_clock: int,
     ) -> None:
         self.settings = settings
+        self.first_clock = first_clock
         self.planning = planning
         self.rebuild = rebuild
         #: The merge plan in force: groups of layer names, the fitted model, the predicted times.
@@ -49,7 +57,7 @@ class MergeTuning:
         if merge.planned and p.world > 1:
             shards = self.settings.ps.shards_for(p.world)
             self.runtimes = {
-                scheme: MergeRuntime(merge, p.rank, p.world, shards, scheme, p.calibration)
+                scheme: MergeRuntime(merge, p.rank, p.world, shards, scheme, p.calibration, self.first_clock)
                 for scheme in p.plan.mergeable()
                 if len(p.plan.layers_of(scheme)) > 1 and not saved.get(scheme.value)
             }
@@ -63,6 +71,8 @@ class MergeTuning:
     async def end(self, state: StepState, clock: int) -> None:
         """After step ``state`` (``clock``: the next step's): record it, and re-plan, move to the
         next trial or judge where that is due."""
+        if state.clock < self.first_clock:
+            return
         due = self.trial.step_done(state.clock, state.done - state.started, warm=self._measuring)
         if self._measuring:
             self._record(state, time.thread_time() - self._loop_cpu, runqueue_wait() - self._loop_waited)

@@ -4,7 +4,6 @@ planned for, the syncers that carry it out, and the parameter server they use.""
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import time
@@ -91,9 +90,10 @@ class Planning:
             loop = asyncio.get_running_loop()
             self._kernel_flop = await loop.run_in_executor(self.reduce, time_reconstruction, self.world)
 
-    async def choose(self, batch, model, loss, captures: dict, restored: Optional[dict]) -> SchemePlan:
-        """Every layer's scheme: a checkpoint's, or HybComm's on this batch's rows and the agreed
-        link; checked to be the same on every rank."""
+    async def choose(self, rows: dict, restored: Optional[dict]) -> SchemePlan:
+        """Every layer's scheme: a checkpoint's, or HybComm's on the planning step's ``rows`` (K
+        per layer, the largest of any rank) and the agreed link; checked to be the same on every
+        rank."""
         s = self.settings
         if restored:
             if set(restored) != {layer.name for layer in self.layers}:
@@ -103,7 +103,6 @@ class Planning:
             by_name = restored
         else:
             loop = asyncio.get_running_loop()
-            rows = await loop.run_in_executor(self.compute, self.measure_rows, batch, model, loss, captures)
             seen = await self.job.rendezvous.exchange("rows", json.dumps(rows), range(self.world))
             k = {name: max(json.loads(seen[r]).get(name, 0) for r in seen) for name in rows}
             on_compute = lambda fn, *args: loop.run_in_executor(self.compute, fn, *args)  # noqa: E731
@@ -242,34 +241,6 @@ class Planning:
         return (
             syncer.groups if isinstance(syncer, Merging) else [[layer.index] for layer in self.plan.layers_of(scheme)]
         )
-
-    def measure_rows(self, batch, model, loss, captures: dict) -> dict:
-        """K per layer in one forward of ``batch`` (``loss(batch)`` runs ``model``): an FC layer's
-        input rows, an embedding's distinct tokens (the rows its gradient can have)."""
-        for cap in captures.values():
-            cap.reset(enabled=False)
-        tokens: dict = {}
-
-        def count(layer, module, inputs):
-            tokens.setdefault(layer.name, []).append(inputs[0].detach().reshape(-1))
-
-        hooks = [
-            layer.module.register_forward_pre_hook(functools.partial(count, layer))
-            for layer in self.layers
-            if layer.row_sparse
-        ]
-        was = model.training
-        model.train(False)  # evaluation mode: no side effects on BatchNorm statistics
-        try:
-            with torch.no_grad():
-                loss(batch)
-        finally:
-            model.train(was)
-            for hook in hooks:
-                hook.remove()
-        rows = {cap.layer.name: sum(cap.rows) for cap in captures.values()}
-        rows.update({name: int(torch.cat(seen).unique().numel()) for name, seen in tokens.items()})
-        return rows
 
     async def _start_ps(self, on_ps: list, ps_index: dict, groups: list, clock: int, saved: Optional[dict]) -> None:
         names = [[n for i in g for n, _ in self.layers[i].params] for g in groups if len(g) > 1]

@@ -24,15 +24,22 @@ class OptimizerConfig:
             have landed while others are still moving, once they hold this many bytes; the last
             ones are stepped after the last sync. Every parameter gets the bits one step over
             all of them gives. ``None``: one step after every sync.
+        clip_grad_norm: in ``step()``, the averaged gradients' total 2-norm is clipped to this
+            (``torch.nn.utils.clip_grad_norm_``, after a GradScaler's unscale) before the
+            optimizer steps; the step is then one step over every parameter. In your own loop,
+            clip after ``synchronize()`` yourself.
     """
 
     # The update streams ~3 bytes for each byte of parameters: 4 MiB is well above the cost of
     # the hop to the compute thread and back.
     early_step_bytes: Optional[int] = 4 << 20
+    clip_grad_norm: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.early_step_bytes is not None and self.early_step_bytes < 1:
             raise ConfigError(f"OptimizerConfig.early_step_bytes must be >= 1 (None: off), got {self.early_step_bytes}")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ConfigError(f"OptimizerConfig.clip_grad_norm must be > 0 (None: off), got {self.clip_grad_norm}")
 
 
 @dataclass

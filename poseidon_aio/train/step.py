@@ -65,6 +65,8 @@ class StepState:
         "taken",
         "sync_ids",
         "stepped",
+        "holding",
+        "scaler",
     )
 
     def __init__(self, clock: int, started: float, agg: dict) -> None:
@@ -72,6 +74,8 @@ class StepState:
         self.syncs: list = []  # awaitables of SyncResult
         self.sync_ids: list = []  # the manifest indices each of ``syncs`` lands, in the same order
         self.stepped: set = set()  # manifest indices the optimizer has stepped
+        self.holding = False  # the planning step: every sync waits for the plan, made after the backward
+        self.scaler = None  # the caller's GradScaler (step(batch, scaler=...))
         self.launched: set = set()
         self.deferred: list = []
         self.agg = agg  # manifest index -> tensor receiving the synchronized result

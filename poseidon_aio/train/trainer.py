@@ -10,24 +10,29 @@ syncers, parameter server), :mod:`.merging` (MG-WFBP's warm-up, plans and trials
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import inspect
 import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import torch
 from torch import nn
 
 from ..cluster import ClusterEnv, Manifest, Rendezvous, StartupConfig
+from ..cluster.departures import Departures
 from ..cluster.job import Job
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..net import NetConfig, Shaper
+from ..net.loop import LoopThread
 from ..net.credentials import config_from_env
 from ..ps import PSConfig
 from ..plan import HYBCOMM_SCHEMES, CompressionConfig, MergeConfig, Mode
 from ..sync import AllReduceConfig, Feedback
+from ..sync import collective
 from . import checkpoint
 from . import compression as lossy
 from .apply import Applier
@@ -105,8 +110,8 @@ class Trainer:
         env: Optional[ClusterEnv] = None,
         rendezvous: Optional[Rendezvous] = None,
     ) -> None:
-        if (loss_fn is None) == (batch_loss is None):
-            raise ConfigError("give the Trainer exactly one of loss_fn (for (inputs, targets) batches) and batch_loss")
+        if loss_fn is not None and batch_loss is not None:
+            raise ConfigError("give the Trainer loss_fn (for (inputs, targets) batches) or batch_loss, not both")
         self.settings = resolve(
             mode, ps, net, merge, compression, schemes, hybcomm, allreduce, optimizer_config, startup, broadcast_buffers
         )
@@ -133,6 +138,12 @@ class Trainer:
         self._started = False
         self._inflight: list = []  # steps whose syncs may still be moving (SSP)
         self._restored: dict = {}
+        self._rank: Optional[int] = None
+        self._world: Optional[int] = None
+        self._collectives = 0  # the user's all-reduces and barriers so far (their frames' number)
+        self._last_step = None  # the coroutine step() last returned: was it awaited?
+        self._thread: Optional[LoopThread] = None  # the loop the trainer moves bytes on
+        self._armed: Optional[StepState] = None  # the next step, its hooks ready for its backward
 
     # -- life -------------------------------------------------------------------------------
 
@@ -153,6 +164,17 @@ class Trainer:
                 here; this rank then publishes why, so the others stop waiting at once.
             StartupAborted: another rank failed during start-up (its reason is in the message).
         """
+        if self._thread is not None:
+            raise ConfigError("this trainer has already started")
+        self._thread = LoopThread()
+        try:
+            await self._thread.run(self._start())
+        except BaseException:
+            await self._thread.close()
+            self._thread = None
+            raise
+
+    async def _start(self) -> None:
         try:
             await self._join()
         except Exception as exc:
@@ -181,14 +203,19 @@ class Trainer:
         self._job = await Job.join(
             self._manifest, s.net, timeout=timeout, env=self.env, rendezvous=self._given_rdzv, shaper=shaper
         )
-        self.rank, self.world = self._job.rank, self._job.world
-        self.tracer.rank, self.tracer.world = self.rank, self.world
+        self._rank, self._world = self._job.rank, self._job.world
+        self._departures = Departures(self._rank, self._job.peers)
+        self.tracer.rank, self.tracer.world = self._rank, self._world
         await self.tracer.align(self._job.peers, timeout)
-        self._replicas = Replicas(self.rank, self.world, self._job.peers, self.staging, self._reduce, s.ps.sync_timeout)
+        self._replicas = Replicas(
+            self._rank, self._world, self._job.peers, self.staging, self._reduce, s.ps.sync_timeout
+        )
         # Every parameter, frozen ones too, and every buffer: replicas must start identical.
         await self._replicas.broadcast([*self.model.parameters(), *self._buffers])
         self._aggregates = Aggregates([p for _, p in self._named], s.ps.staleness, self.staging)
-        self._dispatch = Dispatch(self.layers, self.settings.mode, self.staging, self._aggregates, self._reduce)
+        self._dispatch = Dispatch(
+            self.model, self.layers, self.settings.mode, self.staging, self._aggregates, self._reduce
+        )
         self._applier = Applier(
             s, self.optimizer, self._named, self.staging, self._aggregates, self._compute, self._dispatch.gpu
         )
@@ -196,22 +223,45 @@ class Trainer:
             s, self.layers, self._named, self._job, self.staging, self._compute, self._reduce, shaper, self.feedback
         )
         await self._planning.calibrate()
+        self._arm()
         self._started = True
 
     async def close(self, failed: bool = False) -> None:
-        """Finish in-flight steps, write the trace, leave the job."""
+        """Finish in-flight steps, write the trace, leave the job.
+
+        Raises:
+            ConfigError: the last ``step()`` was never awaited (the job is left all the same).
+        """
+        if self._thread is None:
+            return
+        unawaited = None
+        if not failed:
+            try:
+                self._refuse_unawaited()
+            except ConfigError as exc:
+                unawaited, failed = exc, True
+        try:
+            await self._thread.run(self._close(failed))
+        finally:
+            await self._thread.close()
+            self._thread = None
+        if unawaited is not None:
+            raise unawaited
+
+    async def _close(self, failed: bool) -> None:
         if not self._started:
             return
         self._started = False
         try:
             if not failed:
                 await self._drain()
-                if self.world > 1:
-                    # Every rank's syncs are over before any rank closes a link: a rank whose last
-                    # step was done could otherwise reset a link a peer still reads that step from.
-                    await self._job.rendezvous.barrier("trainer-done")
+                # Every rank's syncs are over before any rank closes a link (a rank whose last
+                # step was done could otherwise reset a link a peer still reads that step from);
+                # a peer still stepping learns at once that this rank has finished.
+                await self._departures.finish(self.clock, self.settings.ps.sync_timeout)
                 self._planning.count_shard_bytes(self.bytes_total)
         finally:
+            self._departures.close()
             self._dispatch.remove()
             await self.tracer.write(None if failed else self._job.peers, self.settings.ps.sync_timeout)
             await self._planning.close_ps(failed)
@@ -238,6 +288,10 @@ class Trainer:
             raise ConfigError("start the trainer before saving it: `async with Trainer(...) as trainer:`")
         if keep < 1:
             raise ConfigError("save(keep=...) must keep at least the checkpoint it writes")
+        self._refuse_unawaited()
+        return await self._on_loop(self._save, directory, keep)
+
+    async def _save(self, directory: str, keep: int) -> int:
         await self._drain()
         p = self._planning
         # The snapshot is taken before the barrier below, so no rank can push the next clock into
@@ -248,11 +302,11 @@ class Trainer:
         )
         clock, loop, digest = self.clock, asyncio.get_running_loop(), self._manifest.digest()
         await loop.run_in_executor(
-            self._compute, checkpoint.write, directory, clock, self.rank, self.world, digest, state
+            self._compute, checkpoint.write, directory, clock, self._rank, self._world, digest, state
         )
         await self._job.rendezvous.barrier(f"checkpoint/{clock}")
-        await loop.run_in_executor(self._compute, checkpoint.prune, directory, self.rank, keep)
-        log.info("rank %d: checkpoint at clock %d in %s", self.rank, clock, directory)
+        await loop.run_in_executor(self._compute, checkpoint.prune, directory, self._rank, keep)
+        log.info("rank %d: checkpoint at clock %d in %s", self._rank, clock, directory)
         return clock
 
     async def restore(self, directory: str) -> int:
@@ -266,69 +320,221 @@ class Trainer:
                 model or world size (the message names the ranks and clocks).
             ConfigError: called before :meth:`start` or after a step.
         """
-        if not self._started or self._merging is not None:
+        if not self._started or self._merging is not None or self._armed.deferred:
             raise ConfigError("restore() goes after start() and before the first step")
+        return await self._on_loop(self._restore, directory)
+
+    async def _restore(self, directory: str) -> int:
         on_compute = functools.partial(asyncio.get_running_loop().run_in_executor, self._compute)
-        digest = self._manifest.digest()
-        clock = await checkpoint.newest_everywhere(
-            directory, self._job.rendezvous, self.rank, self.world, digest, on_compute
-        )
-        state = await on_compute(checkpoint.read, directory, clock, self.rank)
-        checkpoint.load(state, self.model, self.optimizer)
+        digest, rdzv = self._manifest.digest(), self._job.rendezvous
+        try:
+            clock = await checkpoint.newest_everywhere(directory, rdzv, self._rank, self._world, digest, on_compute)
+            saved_world, read_rank = self._world, self._rank
+        except CheckpointError:
+            clock, saved_world = await checkpoint.newest_of_rank_0(
+                directory, rdzv, self._rank, self._world, digest, on_compute
+            )
+            read_rank = 0
+        state = await on_compute(checkpoint.read, directory, clock, read_rank)
+        if saved_world != self._world:
+            state = self._resized(state, saved_world, clock)
+        checkpoint.load(state, self.model, self.optimizer, rng=saved_world == self._world)
         schemes = state.get("schemes") or {}
         lossy.restore_state(self.feedback, self.settings.compression, state.get("compression"), schemes)
         self.clock = clock
         self._restored = state
-        log.info("rank %d: resumed from the checkpoint at clock %d in %s", self.rank, clock, directory)
+        self._arm()  # the next step is this clock's
+        log.info("rank %d: resumed from the checkpoint at clock %d in %s", self._rank, clock, directory)
         return clock
+
+    def _resized(self, state: dict, saved_world: int, clock: int) -> dict:
+        """Rank 0's checkpoint of ``saved_world`` ranks, for this world size: the model, the
+        optimizer and the clock carry over; the plans are made again for this many ranks, and
+        what each rank kept of its own (error feedback) starts from zero.
+
+        Raises:
+            CheckpointError: the shards held optimizer state (``server_sgd``), split by world size.
+        """
+        if len(state.get("shard") or {}):
+            raise CheckpointError(
+                f"rank {self._rank}: the checkpoint at clock {clock} holds the shards' own optimizer state "
+                f"(server_sgd), split over {saved_world} ranks: restore it with {saved_world} ranks"
+            )
+        if (state.get("compression") or {}).get("state"):
+            log.warning(
+                "rank %d: restoring a checkpoint of %d ranks with %d: the lossy schemes' error feedback starts "
+                "from zero",
+                self._rank,
+                saved_world,
+                self._world,
+            )
+        log.warning(
+            "rank %d: restoring clock %d from a checkpoint of %d ranks with %d: the model, optimizer and clock carry "
+            "over; the scheme and merge plans are made again",
+            self._rank,
+            clock,
+            saved_world,
+            self._world,
+        )
+        return {**state, "schemes": {}, "groups": {}, "merge_info": "{}", "shard": {}, "compression": None}
 
     # -- the step ---------------------------------------------------------------------------
 
-    async def step(self, batch) -> StepStats:
+    def step(self, batch, *, scaler: Optional[torch.amp.GradScaler] = None) -> Awaitable[StepStats]:
         """One iteration on this rank's ``batch``: ``(inputs, targets)`` with ``loss_fn``, anything
-        with ``batch_loss``.
+        with ``batch_loss``: zero the gradients, forward and backward on the trainer's compute
+        thread (each layer's sync starting as the backward is done with it), the averages into
+        ``.grad``, the optimizer (on early layers as their syncs land, where that is exact).
+
+        The caller's ``torch.autocast`` state (CPU and CUDA) holds for the forward. With a
+        ``scaler``, the loss is scaled for the backward and the optimizer steps through
+        ``scaler.step`` (skipped on every rank alike where a gradient is inf or NaN), then
+        ``scaler.update()``.
 
         Returns:
             :class:`StepStats` (loss, timings, bytes per scheme, dropped ranks).
         Raises:
             SyncTimeout, ConnectionLost, WorkerLeft: a sync did not complete (the message names
                 the layer, the clock and the peer or shard).
-            ConfigError: called before :meth:`start`, or a batch ``loss_fn`` cannot take.
+            ConfigError: called before :meth:`start`, without ``await`` the last time, with a
+                batch ``loss_fn`` cannot take, or with neither ``loss_fn`` nor ``batch_loss``.
         """
+        self._refuse_unawaited()
         self._check(batch)
-        if self._merging is None:  # the first step plans
-            await self._plan(batch)
-        state = StepState(self.clock, time.perf_counter(), self._aggregates.of(self.clock))
-        self._merging.begin(state.clock)
-        loss = await self._forward_backward(state, batch)  # the hooks start each layer's sync
-        self._dispatch.launch_rest(state)
+        # torch.autocast is per thread: the forward runs on the compute thread.
+        autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        self._last_step = self._on_loop(self._step, batch, time.perf_counter(), autocast, scaler)
+        return self._last_step
+
+    async def _step(self, batch, started: float, autocast: list, scaler) -> StepStats:
+        state = self._armed
+        self._departures.check(state.clock)
+        state.started, state.scaler = started, scaler
+        loss = await self._forward_backward(state, batch, autocast)  # the hooks start each layer's sync
+        await self._backward_done(state)
         self._inflight.append(state)
-        if self.settings.broadcast_buffers and self._buffers:
-            # This step's forward updated them (BatchNorm statistics); the next forward reads them.
-            await self._replicas.broadcast(self._buffers, clock=state.clock)
         while self._inflight and self._inflight[0].clock <= state.clock - self.settings.ps.staleness:
             await self._apply(self._inflight.pop(0))
+        return await self._step_done(state, loss, traced=state not in self._inflight)
+
+    async def synchronize(self) -> StepStats:
+        """In your own loop, after ``loss.backward()``: return once every gradient is averaged
+        over the ranks into its ``.grad``; then clip, unscale and step the optimizer as you would
+        with DDP. The syncs started during the backward, layer by layer, as in :meth:`step`.
+
+        Returns:
+            :class:`StepStats` of the iteration (``loss`` is NaN: the trainer did not see it).
+        Raises:
+            SyncTimeout, ConnectionLost, WorkerLeft: as :meth:`step`.
+            ConfigError: inside :meth:`no_sync`, or with a setting only :meth:`step` carries out
+                (SSP's ``staleness``, the shards' ``server_sgd``).
+        """
+        self._require_started("synchronize")
+        self._refuse_unawaited()
+        if self._dispatch.accumulating:
+            raise ConfigError("synchronize() inside no_sync(): leave the no_sync() block for the backward that syncs")
+        ps = self.settings.ps
+        if ps.staleness or ps.server_sgd is not None:
+            what = "staleness (SSP)" if ps.staleness else "server_sgd"
+            raise ConfigError(
+                f"PSConfig.{what} needs the trainer to step the optimizer: use `await trainer.step(batch)`, "
+                "not your own loop with synchronize()"
+            )
+        return await self._on_loop(self._synchronize, time.perf_counter())
+
+    async def _synchronize(self, compute_end: float) -> StepStats:
+        state = self._armed
+        state.compute_end = compute_end
+        self._departures.check(state.clock)
+        await self._backward_done(state)
+        await self._departures.guard(self._applier.land(state), state.clock)
+        self._count(state)
+        return await self._step_done(state, float("nan"), traced=True)
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """A context for gradient accumulation in your own loop, as DDP's: the backward passes
+        run inside add into ``.grad`` and start no sync; the first backward after it sends the
+        sum, and :meth:`synchronize` then returns the average over ranks of every rank's sum.
+
+        >>> # with trainer.no_sync():
+        >>> #     (loss_fn(model(x1), y1) / 2).backward()
+        >>> # (loss_fn(model(x2), y2) / 2).backward()
+        >>> # await trainer.synchronize()
+        """
+        self._require_started("no_sync")
+        return self._dispatch.accumulating_locally()
+
+    def _arm(self) -> None:
+        """The next iteration's state, its hooks ready for its backward (on the trainer's loop).
+        Until the first backward is over there is no plan: that iteration is the planning step."""
+        state = StepState(self.clock, time.perf_counter(), self._aggregates.of(self.clock))
+        if self._merging is not None:
+            self._merging.begin(state.clock)
+        self._dispatch.arm(state)
+        self._armed = state
+
+    async def _backward_done(self, state: StepState) -> None:
+        """After the backward: the plan (the planning step), every sync not started yet, and
+        rank 0's buffers (BatchNorm statistics: the next forward reads them)."""
+        if self._merging is None:
+            await self._plan()
+        self._dispatch.launch_rest(state)
+        if self.settings.broadcast_buffers and self._buffers:
+            await self._departures.guard(self._replicas.broadcast(self._buffers, clock=state.clock), state.clock)
+
+    async def _step_done(self, state: StepState, loss: float, traced: bool) -> StepStats:
+        """The clock moves on, MG-WFBP records the step (or re-plans), the next step is armed."""
         state.done = time.perf_counter()
         self.clock += 1
         await self._merging.end(state, self.clock)
-        if state not in self._inflight:  # (a step still syncing, under SSP, is traced when applied)
+        if traced:  # (a step still syncing, under SSP, is traced when applied)
             self.tracer.step(state.clock, state.started, state.compute_end, state.spans, state.done, state.work)
+        self._arm()
         return state.stats(loss, self._planning.plan.names)
+
+    async def _on_loop(self, fn, *args):
+        """``await fn(*args)`` on the trainer's loop thread."""
+        return await self._thread.run(fn(*args))
 
     def _check(self, batch) -> None:
         if not self._started:
             raise ConfigError("start the trainer first: `async with Trainer(...) as trainer:`")
-        if self.loss_fn is not None and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        if self.loss_fn is None and self.batch_loss is None:
+            raise ConfigError(
+                "step() needs the Trainer's loss_fn or batch_loss; without one, run your own loop: "
+                "loss.backward(), then `await trainer.synchronize()`, then optimizer.step()"
+            )
+        if self.loss_fn is None:
+            return
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise ConfigError(
                 f"step() got a batch of type {type(batch).__name__}: with loss_fn a batch is an (inputs, targets) "
-                "pair; for dicts or several tensors give the Trainer batch_loss=lambda model, batch: <scalar loss>"
+                "pair of tensors; for dicts or several tensors give the Trainer batch_loss=lambda model, batch: "
+                "<scalar loss>"
+            )
+        for what, x in zip(("inputs", "targets"), batch):
+            if not isinstance(x, torch.Tensor):
+                raise ConfigError(
+                    f"step() got {what} of type {type(x).__module__}.{type(x).__name__}: the model takes tensors; "
+                    "convert them with torch.as_tensor(...) (a DataLoader does this for you)"
+                )
+
+    def _refuse_unawaited(self) -> None:
+        """Raises ConfigError where the last ``step()`` was never awaited (it did nothing)."""
+        last, self._last_step = self._last_step, None
+        if last is not None and inspect.getcoroutinestate(last) == inspect.CORO_CREATED:
+            last.close()  # (this error, not Python's "never awaited" warning as well)
+            raise ConfigError(
+                f"rank {self._rank}: trainer.step(batch) at clock {self.clock} was called without await, so it did "
+                "nothing: write `stats = await trainer.step(batch)`"
             )
 
-    async def _plan(self, batch) -> None:
-        """Every layer's scheme (the same on every rank), the syncers, and MG-WFBP's measurement."""
+    async def _plan(self) -> None:
+        """After the planning step's backward: every layer's scheme (the same on every rank) on
+        the rows its forward saw, the syncers, and MG-WFBP's measurement from the next step."""
         p, saved = self._planning, self._restored.get("groups") or {}
-        plan = await p.choose(batch, self.model, self._loss, self._dispatch.captures, self._restored.get("schemes"))
-        self._merging = MergeTuning(self.settings, p, self._rebuild, self.merge_info)
+        plan = await p.choose(self._dispatch.rows(), self._restored.get("schemes"))
+        self._merging = MergeTuning(self.settings, p, self._rebuild, self.merge_info, first_clock=self.clock + 1)
         self._dispatch.route(plan, await p.build(p.first_groups(saved), self.clock, self._restored.get("shard")))
         self._applier.plan, self._applier.server_owned = plan, p.server_owned
         self._merging.start(saved)
@@ -348,37 +554,121 @@ class Trainer:
         inputs, targets = batch
         return self.loss_fn(self.model(inputs), targets)
 
-    async def _forward_backward(self, state: StepState, batch) -> float:
-        self._dispatch.arm(state)
-        loss = await asyncio.get_running_loop().run_in_executor(self._compute, self._gradients, state, batch)
+    async def _forward_backward(self, state: StepState, batch, autocast: list) -> float:
+        loop = asyncio.get_running_loop()
+        loss = await loop.run_in_executor(self._compute, self._gradients, state, batch, autocast)
         state.compute_end = time.perf_counter()
         return loss
 
-    def _gradients(self, state: StepState, batch) -> float:
-        self.model.train()
+    def _gradients(self, state: StepState, batch, autocast: list) -> float:
+        # The modules' modes are the caller's (a frozen BatchNorm stays frozen), as under DDP.
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._loss(batch)
+        with contextlib.ExitStack() as casts:
+            for device, dtype in autocast:
+                casts.enter_context(torch.autocast(device, dtype=dtype))
+            loss = self._loss(batch)
         state.forward_end = time.perf_counter()
-        loss.backward()
+        (loss if state.scaler is None else state.scaler.scale(loss)).backward()
         return float(loss.detach())
 
     async def _apply(self, state: StepState) -> None:
-        await self._applier.apply(state)
-        # Its bytes into the totals; a step that returned before its syncs were in (SSP) into
-        # the trace, now that every sync has ended.
-        self._planning.count_shard_bytes(state.bytes)
-        for scheme, n in state.bytes.items():
-            self.bytes_total[scheme] = self.bytes_total.get(scheme, 0) + n
+        await self._departures.guard(self._applier.apply(state), state.clock)
+        self._count(state)
+        # A step that returned before its syncs were in (SSP) into the trace, now that every
+        # sync has ended.
         if state.done is not None:
             end = max([state.done, *(s.end or 0.0 for s in state.spans)])
             self.tracer.step(state.clock, state.started, state.compute_end, state.spans, end, state.work)
+
+    def _count(self, state: StepState) -> None:
+        """A landed step's bytes into the totals."""
+        self._planning.count_shard_bytes(state.bytes)
+        for scheme, n in state.bytes.items():
+            self.bytes_total[scheme] = self.bytes_total.get(scheme, 0) + n
 
     async def _drain(self) -> None:
         """Apply every step still in flight (SSP leaves up to ``staleness`` of them)."""
         while self._inflight:
             await self._apply(self._inflight.pop(0))
 
+    # -- the user's collectives --------------------------------------------------------------
+
+    async def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """Reduce ``tensor`` over every rank, in place, for metrics and evaluation (a loss, a
+        count of correct predictions); every rank gets the same bits. Every rank must call it
+        (and :meth:`barrier`) the same number of times, in the same order, as with
+        ``torch.distributed``.
+
+        Args:
+            tensor: any float or integer tensor, CPU or CUDA, the same shape and dtype on every rank.
+            op: ``"mean"`` (float tensors), ``"sum"``, ``"max"`` or ``"min"``.
+        Returns:
+            ``tensor``, now holding the result.
+        Raises:
+            ConfigError: before :meth:`start`, an unknown op, or a mean of an integer tensor.
+            SyncTimeout: some rank did not call it within ``PSConfig.sync_timeout`` (names them).
+            RemoteProtocolError: a rank gave another shape or dtype (names it).
+        """
+        self._require_started("all_reduce")
+        self._refuse_unawaited()
+        host = tensor.detach().to("cpu", torch.float32 if tensor.dtype is torch.bfloat16 else tensor.dtype)
+        if host.dtype is torch.bool or host.is_complex():
+            raise ConfigError(f"all_reduce of a {tensor.dtype} tensor: give a float or integer tensor")
+        array = host.contiguous().numpy()
+        collective.check_op(op, array.dtype)
+        seq, self._collectives = self._collectives, self._collectives + 1
+        peers, timeout = self._job.peers, self.settings.ps.sync_timeout
+        out = await self._on_loop(collective.all_reduce, self._rank, peers, array, op, seq, timeout, self._departures)
+        with torch.no_grad():
+            tensor.copy_(torch.from_numpy(out))
+        return tensor
+
+    async def barrier(self) -> None:
+        """Return once every rank has called it (over the worker mesh; the same order rule as
+        :meth:`all_reduce`).
+
+        Raises:
+            SyncTimeout: some rank did not reach it within ``PSConfig.sync_timeout`` (names them).
+            WorkerLeft: a rank finished training instead.
+        """
+        self._require_started("barrier")
+        self._refuse_unawaited()
+        seq, self._collectives = self._collectives, self._collectives + 1
+        empty = torch.zeros(0, dtype=torch.int32).numpy()
+        timeout = self.settings.ps.sync_timeout
+        await self._on_loop(
+            collective.all_reduce, self._rank, self._job.peers, empty, "sum", seq, timeout, self._departures
+        )
+
+    def _require_started(self, what: str) -> None:
+        if not self._started:
+            raise ConfigError(f"{what}() needs a started trainer: call it inside `async with Trainer(...) as trainer:`")
+
     # -- what a caller may read -------------------------------------------------------------
+
+    @property
+    def loop_cpu_s(self) -> float:
+        """CPU seconds the trainer's event loop thread has used so far (0.0 before start)."""
+        return self._thread.cpu_s() if self._thread is not None else 0.0
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank, 0 .. ``world_size`` - 1 (a ``DistributedSampler``'s ``rank``)."""
+        self._require_joined("rank")
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """How many workers the job has (a ``DistributedSampler``'s ``num_replicas``)."""
+        self._require_joined("world_size")
+        return self._world
+
+    def _require_joined(self, what: str) -> None:
+        if self._rank is None:
+            raise ConfigError(
+                f"trainer.{what} is known once the trainer has started (`async with Trainer(...) as trainer:`); "
+                "before that, read RANK and WORLD_SIZE from the environment the launcher set"
+            )
 
     @property
     def merge_info(self) -> dict:

@@ -69,6 +69,7 @@ class Kind(enum.IntEnum):
     PARAMS = 19
     FACTORS = 20
     PULL = 21
+    COLLECTIVE = 22  # the user's all-reduce and barrier (sync.collective)
 
 
 KNOWN_KINDS = frozenset(int(k) for k in Kind)

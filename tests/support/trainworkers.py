@@ -287,16 +287,10 @@ def tricky_worker(rank: int, seed: int, steps: int, size: int, staleness: int, m
     return poseidon_aio.run(main())
 
 
-def overlap_worker(rank: int, mode: str, trace_path: str):
-    """A CNN big enough that its backward takes a while: does sync overlap it?"""
-    import json
-
-    import poseidon_aio
-    from poseidon_aio.train import TraceConfig
-
-    torch.set_num_threads(1)
+def overlap_model() -> nn.Module:
+    """A CNN whose backward takes long enough for syncs to start inside it (inputs 3 x 16 x 16)."""
     torch.manual_seed(0)
-    model = nn.Sequential(
+    return nn.Sequential(
         nn.Conv2d(3, 32, 3, padding=1),
         nn.ReLU(),
         nn.Conv2d(32, 32, 3, padding=1),
@@ -308,6 +302,17 @@ def overlap_worker(rank: int, mode: str, trace_path: str):
         nn.ReLU(),
         nn.Linear(256, 10),
     )
+
+
+def overlap_worker(rank: int, mode: str, trace_path: str):
+    """A CNN big enough that its backward takes a while: does sync overlap it?"""
+    import json
+
+    import poseidon_aio
+    from poseidon_aio.train import TraceConfig
+
+    torch.set_num_threads(1)
+    model = overlap_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     async def main():

@@ -1,0 +1,123 @@
+"""Who has finished training, told over the worker mesh: a rank that runs out of data (or leaves
+the trainer) says so to every peer, and a peer still stepping fails at once with ``WorkerLeft``
+instead of waiting out the sync timeout for gradients that will never come.
+
+The same message ends the job cleanly: each rank sends it after its last step's syncs are over and
+closes its links once every peer has sent it too (or is gone), so no rank closes a link a peer
+still reads a step from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Awaitable, Callable, Mapping, Optional, TypeVar
+
+from ..errors import WorkerLeft
+from ..wire import DType, Kind
+
+T = TypeVar("T")
+
+FINISHED_KEY = 1  # the CONTROL frame key of "I have finished" (clock 0)
+
+
+class Departures:
+    """This rank's view of which peers have finished, and after how many steps.
+
+    Args:
+        rank: this worker.
+        peers: ``{rank: link}`` of the worker mesh; every link's "finished" frame is expected
+            from here on (one small frame per peer).
+    """
+
+    def __init__(self, rank: int, peers: Mapping[int, object]) -> None:
+        self.rank = rank
+        self.peers = dict(peers)
+        self.finished: dict = {}  # rank -> the steps it took
+        self.gone: set = set()  # ranks whose link ended without saying
+        self._any = asyncio.get_running_loop().create_future()  # set once some peer has finished
+        self._listeners: list = []
+        self._heard = {q: conn.expect(Kind.CONTROL, FINISHED_KEY, 0) for q, conn in self.peers.items()}
+        for q, fut in self._heard.items():
+            fut.add_done_callback(lambda f, q=q: self._on_heard(q, f))
+
+    def _on_heard(self, q: int, fut: asyncio.Future) -> None:
+        if fut.cancelled():
+            return
+        if fut.exception() is not None:  # the link ended: the syncs on it fail on their own
+            self.gone.add(q)
+            return
+        try:
+            steps = json.loads(bytes(fut.result().payload))["steps"]
+            if not isinstance(steps, int) or steps < 0:
+                raise ValueError(steps)
+        except (ValueError, KeyError, TypeError):
+            # A malformed notice is the peer's fault: it ends nothing here but its own standing.
+            self.gone.add(q)
+            return
+        self.finished[q] = steps
+        if not self._any.done():
+            self._any.set_result(None)
+        for listener in list(self._listeners):
+            listener(q)
+
+    def listen(self, listener: Callable[[int], None]) -> Callable[[], None]:
+        """Call ``listener(rank)`` for every peer that has finished and every one that will;
+        returns what stops it."""
+        self._listeners.append(listener)
+        for q in list(self.finished):
+            listener(q)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    def error(self, step: int) -> Optional[WorkerLeft]:
+        """The error of a sync of step ``step`` (0-based) once a peer has finished before it (a
+        peer that took more steps than that still takes part in it), else None."""
+        early = {q: n for q, n in self.finished.items() if n <= step}
+        if not early:
+            return None
+        q = min(early)
+        return WorkerLeft(
+            f"rank {q} finished after {early[q]} steps; rank {self.rank} is at step {step + 1}: give every rank the "
+            "same number of batches (a DistributedSampler does), or stop every rank at the shortest one's end"
+        )
+
+    def check(self, step: int) -> None:
+        """Raises WorkerLeft where a peer finished before step ``step`` (it would wait for it)."""
+        exc = self.error(step)
+        if exc is not None:
+            raise exc
+
+    async def guard(self, aw: Awaitable[T], step: int) -> T:
+        """``await aw`` (a sync of step ``step``), or raise WorkerLeft, ``aw`` cancelled, the
+        moment a peer that finished before that step says so."""
+        task = asyncio.ensure_future(aw)
+        if not self.peers:
+            return await task
+        try:
+            await asyncio.wait({task, self._any}, return_when=asyncio.FIRST_COMPLETED)
+            exc = None if task.done() else self.error(step)
+            if exc is None:
+                return await task
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise exc
+
+    async def finish(self, steps: int, timeout: float) -> None:
+        """Tell every peer this rank has finished after ``steps`` steps, and return once every
+        peer has said the same or is gone (at most ``timeout`` seconds)."""
+        body = json.dumps({"steps": steps}).encode()
+        sends = []
+        for q, conn in self.peers.items():
+            if q not in self.gone and conn.is_open:
+                sends.append(conn.send(Kind.CONTROL, body, key=FINISHED_KEY, clock=0, dtype=DType.JSON))
+        await asyncio.gather(*sends, return_exceptions=True)  # (a peer gone meanwhile: nothing to tell)
+        waits = [fut for fut in self._heard.values() if not fut.done()]
+        if waits:
+            await asyncio.wait(waits, timeout=timeout)
+
+    def close(self) -> None:
+        for fut in self._heard.values():
+            fut.cancel()
