@@ -70,12 +70,19 @@ def run(main: Coroutine[Any, Any, T], *, debug: bool | None = None) -> T:
             return runner.run(until_terminated())
     except BaseException as exc:
         if terminated:
-            print(f"poseidon_aio rank {rank}: stopped by SIGTERM", file=sys.stderr)
+            _say(f"poseidon_aio rank {rank}: stopped by SIGTERM")
             raise SystemExit(128 + signal.SIGTERM) from None
         if not isinstance(exc, PoseidonError) or os.environ.get(ERRORS_ENV) != "brief":
             raise
-        print(f"poseidon_aio rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        _say(f"poseidon_aio rank {rank}: {type(exc).__name__}: {exc}")
         raise SystemExit(1) from None
+
+
+def _say(line: str) -> None:
+    """One line on stderr in one write: the ranks of a job share the launcher's stderr, and a
+    line written in pieces (print writes the newline apart) interleaves with another rank's."""
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), (line + "\n").encode(errors="replace"))
 
 
 def is_uvloop(loop: asyncio.AbstractEventLoop) -> bool:
