@@ -15,6 +15,7 @@ from concurrent.futures import Executor
 from typing import Any, Callable, Coroutine, Hashable, Optional, TypeVar
 
 from ..errors import PoseidonError
+from .endpoint import silence
 
 try:
     import uvloop
@@ -195,7 +196,7 @@ class LoopThread:
             # ``start`` was queued first: the task exists when this runs. Its outcome is not
             # news (the caller is cancelled), but it is retrieved, so no "never retrieved" report.
             self.loop.call_soon_threadsafe(lambda: box[0].cancel())
-            outcome.add_done_callback(lambda f: f.cancelled() or f.exception())
+            outcome.add_done_callback(silence)
             await asyncio.wait([outcome])
             raise
 

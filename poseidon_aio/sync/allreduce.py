@@ -41,6 +41,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..net.endpoint import silence
 from ..errors import ConfigError, SyncTimeout
 from ..plan.cost import ALLREDUCE_ALGORITHMS, Scheme, goes_round_ring
 from ..wire import DTYPE_BY_NAME, Kind, wire_dtype
@@ -135,11 +136,6 @@ def _scatter(flat: np.ndarray, arrays: list, pieces: list) -> None:
     for i, lo, hi in pieces:
         arrays[i][lo:hi] = flat[offset : offset + hi - lo]
         offset += hi - lo
-
-
-def _retrieved(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()
 
 
 @dataclass
@@ -334,7 +330,7 @@ class AllReduceSyncer(Syncer):
             for c, slices in enumerate(ring)
         ]
         for walk in walks:  # the first failure is raised; the others' (the same cause) are not news
-            walk.add_done_callback(_retrieved)
+            walk.add_done_callback(silence)
         try:
             sent = sum(await asyncio.gather(*walks))
         except BaseException:

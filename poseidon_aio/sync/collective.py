@@ -16,6 +16,7 @@ from typing import Mapping
 
 import numpy as np
 
+from ..net.endpoint import silence
 from ..errors import ConfigError, RemoteProtocolError, SyncTimeout, WorkerLeft
 from ..wire import Kind, wire_dtype
 from ..wire.layout import ITEMSIZE
@@ -88,7 +89,7 @@ async def all_reduce(
             if unlisten is not None:
                 unlisten()
             gathered.cancel()
-            gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
+            gathered.add_done_callback(silence)
             left.cancel()
         for q, fut in waits.items():
             frame = fut.result()

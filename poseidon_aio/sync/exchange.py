@@ -28,6 +28,7 @@ from typing import Callable, Hashable, Mapping, Optional
 
 import numpy as np
 
+from ..net.endpoint import silence
 from ..errors import ConfigError, SyncTimeout
 from ..net.loop import Offload
 from ..plan.lossy import CompressionConfig
@@ -56,12 +57,6 @@ def frame_key(layer: int, phase: int, chunk: int) -> int:
             f"got layer {layer}, phase {phase}, chunk {chunk} (raise PSConfig.chunk_bytes for so large a layer)"
         )
     return layer << LAYER_SHIFT | phase << PHASE_SHIFT | chunk
-
-
-def _retrieve(task: asyncio.Future) -> None:
-    # A task given up on (another part failed first) may fail later; its error is not news.
-    if not task.cancelled():
-        task.exception()
 
 
 class MeshExchange:
@@ -188,7 +183,7 @@ class MeshExchange:
             for c, lo, hi in mine
         ]
         for task in reduces:
-            task.add_done_callback(_retrieve)
+            task.add_done_callback(silence)
         try:
             await asyncio.gather(*sends)
             for s, r in await asyncio.gather(*reduces):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from ..net.endpoint import silence
 from ..errors import SyncTimeout
 from ..wire import Kind
 from ..plan.cost import Scheme
@@ -55,7 +56,7 @@ class SFBSyncer(Syncer):
         waits = {r: conn.expect(Kind.FACTORS, key, clock) for r, conn in self._peers.items()}
         parts = factors.encode(u, v)
         arrived = asyncio.gather(*waits.values())
-        arrived.add_done_callback(_retrieved)  # (cancelled with the sync: its outcome is no news)
+        arrived.add_done_callback(silence)  # (cancelled with the sync: its outcome is no news)
         try:
             await asyncio.gather(
                 *(
@@ -88,8 +89,3 @@ class SFBSyncer(Syncer):
         return SyncResult(
             factors.nbytes(u.shape[0], m, n) * len(self._peers), sum(f.header.length for f in frames), work=rebuilt
         )
-
-
-def _retrieved(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()

@@ -92,15 +92,7 @@ class Applier:
         Raises:
             the first failed sync's error (the others are cancelled).
         """
-        try:
-            if self._steps_early(state):
-                await self._step_as_synced(state)
-            else:
-                await asyncio.gather(*state.syncs)
-        except BaseException:
-            for task in state.syncs:
-                task.cancel()
-            raise
+        await self._synced(state, self._step_as_synced(state) if self._steps_early(state) else None)
         if state.scaler is not None or self.clip_grad_norm is not None:
             await self.stepper.run("optimizer", self.scaled_step, state)
         else:
@@ -121,6 +113,17 @@ class Applier:
         else:
             scaler.step(self.optimizer)
             scaler.update()
+
+    @staticmethod
+    async def _synced(state: StepState, waiting=None) -> None:
+        """``await waiting`` (default: every sync of ``state``); on a failure the others are
+        cancelled and the first error raised."""
+        try:
+            await (waiting if waiting is not None else asyncio.gather(*state.syncs))
+        except BaseException:
+            for task in state.syncs:
+                task.cancel()
+            raise
 
     def _steps_early(self, state: StepState) -> bool:
         """Whether ``state``'s optimizer step may start on the parameters whose syncs are in while
@@ -188,12 +191,7 @@ class Applier:
         Raises:
             the first failed sync's error (the others are cancelled).
         """
-        try:
-            await asyncio.gather(*state.syncs)
-        except BaseException:
-            for task in state.syncs:
-                task.cancel()
-            raise
+        await self._synced(state)
         await self.stepper.run("land", self.put_grads, state, list(range(len(self.named))))
 
     def optimizer_step(self, state: StepState, ids: Optional[list] = None) -> None:

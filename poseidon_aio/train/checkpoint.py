@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -24,8 +25,11 @@ from ..ps.checkpoint import fsync_dir, newest_common, write_atomic
 
 FORMAT = 1
 
+log = logging.getLogger("poseidon_aio.train")
+
 __all__ = [
     "complete_clocks",
+    "for_world",
     "load",
     "newest_common",
     "newest_everywhere",
@@ -181,6 +185,37 @@ def snapshot(clock: int, model, optimizer, plans: dict, merge_info: dict, compre
         "shard": {k: torch.from_numpy(v) for k, v in plans["shard"].items()},
         "compression": compression,
     }
+
+
+def for_world(state: dict, saved_world: int, world: int, rank: int, clock: int) -> dict:
+    """Rank 0's checkpoint of ``saved_world`` ranks, for ``world``: the model, the optimizer and
+    the clock carry over; the plans are made again for this many ranks, and what each rank kept
+    of its own (error feedback) starts from zero.
+
+    Raises:
+        CheckpointError: the shards held optimizer state (``server_sgd``), split by world size.
+    """
+    if len(state.get("shard") or {}):
+        raise CheckpointError(
+            f"rank {rank}: the checkpoint at clock {clock} holds the shards' own optimizer state (server_sgd), split "
+            f"over {saved_world} ranks: restore it with {saved_world} ranks"
+        )
+    if (state.get("compression") or {}).get("state"):
+        log.warning(
+            "rank %d: restoring a checkpoint of %d ranks with %d: the lossy schemes' error feedback starts from zero",
+            rank,
+            saved_world,
+            world,
+        )
+    log.warning(
+        "rank %d: restoring clock %d from a checkpoint of %d ranks with %d: the model, optimizer and clock carry "
+        "over; the scheme and merge plans are made again",
+        rank,
+        clock,
+        saved_world,
+        world,
+    )
+    return {**state, "schemes": {}, "groups": {}, "merge_info": "{}", "shard": {}, "compression": None}
 
 
 def load(state: dict, model, optimizer, rng: bool = True) -> None:

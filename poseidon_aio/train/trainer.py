@@ -337,7 +337,7 @@ class Trainer:
             read_rank = 0
         state = await on_compute(checkpoint.read, directory, clock, read_rank)
         if saved_world != self._world:
-            state = self._resized(state, saved_world, clock)
+            state = checkpoint.for_world(state, saved_world, self._world, self._rank, clock)
         checkpoint.load(state, self.model, self.optimizer, rng=saved_world == self._world)
         schemes = state.get("schemes") or {}
         lossy.restore_state(self.feedback, self.settings.compression, state.get("compression"), schemes)
@@ -346,37 +346,6 @@ class Trainer:
         self._arm()  # the next step is this clock's
         log.info("rank %d: resumed from the checkpoint at clock %d in %s", self._rank, clock, directory)
         return clock
-
-    def _resized(self, state: dict, saved_world: int, clock: int) -> dict:
-        """Rank 0's checkpoint of ``saved_world`` ranks, for this world size: the model, the
-        optimizer and the clock carry over; the plans are made again for this many ranks, and
-        what each rank kept of its own (error feedback) starts from zero.
-
-        Raises:
-            CheckpointError: the shards held optimizer state (``server_sgd``), split by world size.
-        """
-        if len(state.get("shard") or {}):
-            raise CheckpointError(
-                f"rank {self._rank}: the checkpoint at clock {clock} holds the shards' own optimizer state "
-                f"(server_sgd), split over {saved_world} ranks: restore it with {saved_world} ranks"
-            )
-        if (state.get("compression") or {}).get("state"):
-            log.warning(
-                "rank %d: restoring a checkpoint of %d ranks with %d: the lossy schemes' error feedback starts "
-                "from zero",
-                self._rank,
-                saved_world,
-                self._world,
-            )
-        log.warning(
-            "rank %d: restoring clock %d from a checkpoint of %d ranks with %d: the model, optimizer and clock carry "
-            "over; the scheme and merge plans are made again",
-            self._rank,
-            clock,
-            saved_world,
-            self._world,
-        )
-        return {**state, "schemes": {}, "groups": {}, "merge_info": "{}", "shard": {}, "compression": None}
 
     # -- the step ---------------------------------------------------------------------------
 
