@@ -407,3 +407,69 @@ def half_worker(rank: int, dtype: str):
         return trainer.bytes_total, [str(p.grad.dtype) for p in model.parameters()]
 
     return poseidon_aio.run(main())
+
+
+def amp_worker(rank: int, spec: dict, seed: int, steps: int, device: str, dtype: str, runs: list, inf_at: int):
+    """Mixed precision as a DDP user runs it, for each ``(label, form, schemes)`` of ``runs``:
+    autocast to ``dtype`` on ``device``, a GradScaler, clipping at 0.05; ``form`` is "loop" (two
+    backward passes a step, the first inside ``no_sync``, then ``synchronize``) or "step"
+    (``step(batch, scaler=...)`` with the settings' clipping). At step ``inf_at`` rank 1's batch
+    holds an inf. Returns, per run, the scale after each step and the parameters after each step."""
+    import contextlib
+
+    import poseidon_aio
+    from poseidon_aio.cluster import ClusterEnv, Rendezvous
+    from poseidon_aio.train import OptimizerConfig
+
+    from .trainworkers import batch, build_model, make_optimizer
+
+    torch.set_num_threads(1)
+    half = getattr(torch, dtype)
+
+    def data(t: int, m: int):
+        x, y = batch(spec, seed, rank, t * 2 + m, 4)
+        if t == inf_at and rank == 1:
+            x[0, 0] = float("inf")
+        return x.to(device), y.to(device)
+
+    async def one(rdzv, form: str, schemes) -> dict:
+        model = build_model(spec, seed).to(device)
+        opt = make_optimizer(model)
+        scaler = torch.amp.GradScaler(device, init_scale=2.0**10)
+        seen: set = set()
+        model[0].register_forward_hook(lambda m, i, out: seen.add(str(out.dtype)))
+        config = OptimizerConfig(clip_grad_norm=0.05)
+        loss_fn = nn.functional.cross_entropy if form == "step" else None
+        scales, params = [], []
+        async with poseidon_aio.Trainer(
+            model, opt, loss_fn, schemes=schemes, rendezvous=rdzv, optimizer_config=config
+        ) as trainer:
+            for t in range(steps):
+                if form == "step":
+                    with torch.autocast(device, dtype=half):
+                        await trainer.step(data(t, 0), scaler=scaler)
+                else:
+                    opt.zero_grad()
+                    for m in range(2):
+                        x, y = data(t, m)
+                        with trainer.no_sync() if m == 0 else contextlib.nullcontext():
+                            with torch.autocast(device, dtype=half):
+                                loss = nn.functional.cross_entropy(model(x), y) / 2
+                            scaler.scale(loss).backward()
+                    await trainer.synchronize()
+                    scaler.unscale_(opt)
+                    nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                    scaler.step(opt)
+                    scaler.update()
+                scales.append(scaler.get_scale())
+                params.append([p.detach().cpu().numpy().copy() for p in model.parameters()])
+        return {"scales": scales, "params": params, "dtypes": sorted(seen)}
+
+    async def main():
+        rdzv = Rendezvous(ClusterEnv.from_env(), timeout=60)
+        await rdzv.start()
+        out = {label: await one(rdzv.job(label), form, schemes) for label, form, schemes in runs}
+        await rdzv.leave()
+        return out
+
+    return poseidon_aio.run(main())
