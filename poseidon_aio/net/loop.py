@@ -53,17 +53,23 @@ def run(main: Coroutine[Any, Any, T], *, debug: bool | None = None) -> T:
     async def until_terminated() -> T:
         task, loop = asyncio.current_task(), asyncio.get_running_loop()
 
-        def stop() -> None:
+        def stop(signum, frame) -> None:
+            # A Python-level handler, as asyncio.Runner's for SIGINT: it runs at the main thread's
+            # next bytecode, so a peer's GOODBYE that the loop takes first (the launcher stops
+            # every rank) is still seen as this rank's SIGTERM, not as the peer's error.
             terminated.append(True)
             # Every rank is being stopped: the peers a shard or a link loses now are no news.
             logging.getLogger("poseidon_aio").setLevel(logging.ERROR)
-            task.cancel()
+            loop.call_soon_threadsafe(task.cancel)
 
         try:
-            loop.add_signal_handler(signal.SIGTERM, stop)
-        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
-            pass
-        return await main
+            previous = signal.signal(signal.SIGTERM, stop)
+        except ValueError:  # not the main thread: the caller handles its signals
+            return await main
+        try:
+            return await main
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
     rank = os.environ.get("RANK", "?")
     try:
