@@ -482,7 +482,8 @@ class Trainer:
                 "<scalar loss>"
             )
         for what, x in zip(("inputs", "targets"), batch):
-            if not isinstance(x, torch.Tensor):
+            # Targets may be None, for a loss_fn that takes none (a replayed or self-supervised loss).
+            if not isinstance(x, torch.Tensor) and not (what == "targets" and x is None):
                 raise ConfigError(
                     f"step() got {what} of type {type(x).__module__}.{type(x).__name__}: the model takes tensors; "
                     "convert them with torch.as_tensor(...) (a DataLoader does this for you)"

@@ -168,6 +168,9 @@ def misuse_worker(rank: int, how: str):
                 elif how == "no await at the end":
                     await t.step((x, y))
                     t.step((x, y))  # the mistake
+                elif how == "no targets":  # a loss_fn that takes none
+                    t.loss_fn = lambda out, _: out.pow(2).mean()
+                    await t.step((x, None))
                 elif how == "mean of ints":
                     await t.all_reduce(torch.ones(2, dtype=torch.int64), op="mean")
         except PoseidonError as exc:
@@ -183,7 +186,6 @@ def user_loop_worker(rank: int, spec: dict, seed: int, steps: int, accumulate: i
     import contextlib
 
     import poseidon_aio
-    from poseidon_aio.cluster import ClusterEnv, Rendezvous
 
     from .trainworkers import batch, build_model, make_optimizer
 
@@ -209,14 +211,7 @@ def user_loop_worker(rank: int, spec: dict, seed: int, steps: int, accumulate: i
                 scaler.update()
         return {"params": [p.detach().numpy().copy() for p in model.parameters()], "schemes": stats.schemes}
 
-    async def main():
-        rdzv = Rendezvous(ClusterEnv.from_env(), timeout=60)
-        await rdzv.start()
-        out = {label: await one(rdzv.job(label), mode, schemes) for label, mode, schemes in runs}
-        await rdzv.leave()
-        return out
-
-    return poseidon_aio.run(main())
+    return _each_in_a_job_of_its_own(one, runs)
 
 
 def user_loop_single(spec: dict, seed: int, workers: int, steps: int, accumulate: int, clip) -> list:
@@ -418,7 +413,6 @@ def amp_worker(rank: int, spec: dict, seed: int, steps: int, device: str, dtype:
     import contextlib
 
     import poseidon_aio
-    from poseidon_aio.cluster import ClusterEnv, Rendezvous
     from poseidon_aio.train import OptimizerConfig
 
     from .trainworkers import batch, build_model, make_optimizer
@@ -465,10 +459,19 @@ def amp_worker(rank: int, spec: dict, seed: int, steps: int, device: str, dtype:
                 params.append([p.detach().cpu().numpy().copy() for p in model.parameters()])
         return {"scales": scales, "params": params, "dtypes": sorted(seen)}
 
+    return _each_in_a_job_of_its_own(one, runs)
+
+
+def _each_in_a_job_of_its_own(one, runs: list) -> dict:
+    """``{label: await one(job, *args)}`` for each ``(label, *args)`` of ``runs``, each run a job
+    of its own under one rendezvous."""
+    import poseidon_aio
+    from poseidon_aio.cluster import ClusterEnv, Rendezvous
+
     async def main():
         rdzv = Rendezvous(ClusterEnv.from_env(), timeout=60)
         await rdzv.start()
-        out = {label: await one(rdzv.job(label), form, schemes) for label, form, schemes in runs}
+        out = {label: await one(rdzv.job(label), *args) for label, *args in runs}
         await rdzv.leave()
         return out
 
