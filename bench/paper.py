@@ -456,6 +456,7 @@ def main(argv=None) -> dict:
         "sim_vs_emulated_max_error_heldout": held_out.get("max"),
         "sim_vs_emulated_mean_error_heldout": held_out.get("mean"),
         "heldout_points": held_out.get("points", 0),
+        "heldout_errors": held_out.get("by_point", {}),  # "model workers scheme": error
         "fan_in_efficiency": efficiency,
         "speedup_mgwfbp_vs_wfbp_64_sim": round(mg_sim, 3) if mg_sim is not None else None,
         "scale": args.scale,

@@ -88,7 +88,7 @@ def simulate_beside(results: dict, args, rate_bits: float, efficiency: Optional[
         "|---|---|---|---|---|" + "---|---|" * len(columns),
     ]
     errors = {c: [] for c in columns}
-    held_out = []
+    held_out, by_point = [], {}
     for (model, world, impl), res in sorted(results.items()):
         mode, variant = impl_variant(impl) if world > 1 else ("wfbp", {})
         tr = trace(model, args.batch)
@@ -112,6 +112,7 @@ def simulate_beside(results: dict, args, rate_bits: float, efficiency: Optional[
         held = world > max(FIT_WORLDS)
         if held:
             held_out.append(err)  # the last column's: everything the simulator knows
+            by_point[f"{model} {world} {impl}"] = round(err, 3)
         steps = res.get("steps_s") or [res["step_s"]]
         emulated = f"{res['step_s'] * 1e3:.0f} ({min(steps) * 1e3:.0f}–{max(steps) * 1e3:.0f} of {len(steps)})"
         kind = "held out" if held else "fit" if world == 1 else "seen"
@@ -122,6 +123,7 @@ def simulate_beside(results: dict, args, rate_bits: float, efficiency: Optional[
             "max": round(max(held_out), 3),
             "mean": round(sum(held_out) / len(held_out), 3),
             "points": len(held_out),
+            "by_point": by_point,
         }
         lines += [
             "",
