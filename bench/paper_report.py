@@ -88,7 +88,7 @@ def simulate_beside(results: dict, args, rate_bits: float, efficiency: Optional[
         "|---|---|---|---|---|" + "---|---|" * len(columns),
     ]
     errors = {c: [] for c in columns}
-    held_out, by_point = [], {}
+    held_out: dict = {}  # "model workers scheme": the error of the last column (everything the simulator knows)
     for (model, world, impl), res in sorted(results.items()):
         mode, variant = impl_variant(impl) if world > 1 else ("wfbp", {})
         tr = trace(model, args.batch)
@@ -111,25 +111,25 @@ def simulate_beside(results: dict, args, rate_bits: float, efficiency: Optional[
             cells.append(f"{sim.time * 1e3:.0f} | {err * 100:.1f} %")
         held = world > max(FIT_WORLDS)
         if held:
-            held_out.append(err)  # the last column's: everything the simulator knows
-            by_point[f"{model} {world} {impl}"] = round(err, 3)
+            held_out[f"{model} {world} {impl}"] = err
         steps = res.get("steps_s") or [res["step_s"]]
         emulated = f"{res['step_s'] * 1e3:.0f} ({min(steps) * 1e3:.0f}–{max(steps) * 1e3:.0f} of {len(steps)})"
         kind = "held out" if held else "fit" if world == 1 else "seen"
         lines.append(f"| {model} | {world} | {impl} | {kind} | {emulated} | " + " | ".join(cells) + " |")
     summary = {}
     if held_out:
+        errs = list(held_out.values())
         summary = {
-            "max": round(max(held_out), 3),
-            "mean": round(sum(held_out) / len(held_out), 3),
-            "points": len(held_out),
-            "by_point": by_point,
+            "max": round(max(errs), 3),
+            "mean": round(sum(errs) / len(errs), 3),
+            "points": len(errs),
+            "by_point": {point: round(e, 3) for point, e in held_out.items()},
         }
         lines += [
             "",
             f"Held out (more than {max(FIT_WORLDS)} workers; the simulator fitted only the one-worker runs and "
             f"bench patterns' fan-in): {len(held_out)} points, error max {summary['max'] * 100:.1f} %, "
-            f"mean {summary['mean'] * 100:.1f} %, {sum(e > 0.10 for e in held_out)} over 10 %",
+            f"mean {summary['mean'] * 100:.1f} %, {sum(e > 0.10 for e in errs)} over 10 %",
             "",
         ]
     tr = trace("resnet50", 32)
