@@ -28,6 +28,7 @@ __all__ = [
     "SyncTimeout",
     "CheckpointError",
     "ManifestMismatch",
+    "TopologyMismatch",
     "UnknownParameter",
     "WorkerLeft",
 ]
@@ -46,6 +47,11 @@ class UnknownParameter(ConfigError, KeyError):
 
     def __str__(self) -> str:  # KeyError would print the message in quotes
         return str(self.args[0]) if self.args else ""
+
+
+class TopologyMismatch(ConfigError):
+    """The launcher's hosts do not make a job of equal hosts (a host runs another number of
+    workers than the others, or ranks disagree on where they run); refused at start-up."""
 
 
 class ManifestMismatch(PoseidonError):

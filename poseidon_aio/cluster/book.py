@@ -32,6 +32,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 from ..errors import ConfigError
 from .manifest import Manifest
+from .topology import Topology
 
 DEFAULT_CHUNK_BYTES = 2 << 20
 # The most a shard may hold over the mean before a key-value pair is split to even it out.
@@ -115,6 +116,8 @@ class InformationBook:
             workers' sufficient factors (a FACTORS frame keyed by the layer's first message).
         spread_bytes: the least bytes of a merge group a shard gets when the group is spread
             over the shards (:func:`spread_bytes_for` a link); 0 keeps every group on one shard.
+        topology: the workers' hosts (:class:`~poseidon_aio.cluster.topology.Topology`, as the
+            rendezvous checked them); by default every worker a host of its own.
 
     >>> from poseidon_aio.cluster.manifest import ParamSpec
     >>> book = InformationBook(Manifest([ParamSpec("w", (1024, 1024))]), workers=2, shards=2)
@@ -133,9 +136,13 @@ class InformationBook:
         placement: str = "balanced",
         factored: Optional[Sequence[Sequence[str]]] = None,
         spread_bytes: int = SPREAD_MIN_BYTES,
+        topology: Optional[Topology] = None,
     ) -> None:
         if workers < 1 or shards < 1:
             raise ConfigError(f"need at least one worker and one shard, got {workers} and {shards}")
+        if topology is not None and topology.world != workers:
+            raise ConfigError(f"the topology's hosts hold {topology.world} workers, the book {workers}")
+        self.topology = topology or Topology.flat(workers)
         if placement not in ("balanced", "tensor"):
             raise ConfigError(f"placement must be 'balanced' or 'tensor', got {placement!r}")
         if chunk_bytes < 64:
@@ -392,8 +399,12 @@ class InformationBook:
         return self._by_param.get(param, ())
 
     def _canonical(self) -> str:
+        # The hosts count where they are not flat: a flat job's digest (and its shard
+        # checkpoints, which carry it) stays what it was before the book recorded hosts.
+        hosts = {} if self.topology.local_size == 1 else {"hosts": self.topology.to_json()}
         return json.dumps(
             {
+                **hosts,
                 "manifest": self.manifest.to_json(),
                 "workers": self.workers,
                 "shards": self.shards,

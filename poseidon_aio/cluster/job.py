@@ -8,6 +8,7 @@ from ..net import NetConfig
 from .manifest import Manifest
 from .mesh import Mesh
 from .rendezvous import ClusterEnv, Rendezvous
+from .topology import Topology
 
 
 class Job:
@@ -17,11 +18,13 @@ class Job:
         rendezvous: the store view the job meets through.
         mesh: authenticated connections to every other worker (``mesh.peers``).
         rank, world: this worker and how many there are.
+        topology: the job's hosts, checked at the rendezvous (:class:`Topology`).
     """
 
-    def __init__(self, rendezvous: Rendezvous, mesh: Mesh, owned: bool) -> None:
+    def __init__(self, rendezvous: Rendezvous, mesh: Mesh, owned: bool, topology: Topology) -> None:
         self.rendezvous = rendezvous
         self.mesh = mesh
+        self.topology = topology
         self.rank = rendezvous.env.rank
         self.world = rendezvous.env.world_size
         self._owned = owned
@@ -45,8 +48,8 @@ class Job:
                 by default one is opened at ``MASTER_ADDR:MASTER_PORT``.
             timeout: seconds every rank may take to show up.
         Raises:
-            StoreUnavailable, PeerTimeout, ManifestMismatch, AuthenticationError: the job could not
-                form here; this rank publishes why (:meth:`Rendezvous.abort`) so the others stop
+            StoreUnavailable, PeerTimeout, ManifestMismatch, TopologyMismatch, AuthenticationError:
+                the job could not form here; this rank publishes why (:meth:`Rendezvous.abort`) so the others stop
                 waiting at once.
             StartupAborted: another rank failed during start-up (its reason is in the message).
         """
@@ -56,6 +59,7 @@ class Job:
             await rendezvous.start()
         try:
             await rendezvous.check_manifest(manifest)
+            topology = await rendezvous.check_topology()
             mesh = await Mesh.start(rendezvous.scoped("mesh"), net, timeout=timeout, process_shaper=shaper)
         except BaseException as exc:
             await rendezvous.abort(exc)
@@ -64,7 +68,7 @@ class Job:
                 # the reason and left.
                 await rendezvous.leave(5.0)
             raise
-        return cls(rendezvous, mesh, owned)
+        return cls(rendezvous, mesh, owned, topology)
 
     @property
     def peers(self) -> dict:

@@ -36,6 +36,7 @@ from typing import Callable, Mapping, Optional
 
 from ..errors import ConfigError, ConnectionLost, PeerTimeout, PoseidonError, StartupAborted, StoreUnavailable
 from .manifest import Manifest, ManifestMismatch, first_difference
+from .topology import Placement, Topology, tasks_per_node
 
 PREFIX = "poseidon_aio"
 ABORT_KEY = "abort"
@@ -79,42 +80,117 @@ class StartupConfig:
 
 @dataclass(frozen=True)
 class ClusterEnv:
-    """Where this process is in the job, from the launcher's environment variables."""
+    """Where this process is in the job, from the launcher's environment variables.
+
+    ``node``, ``local_world_size`` and ``nnodes`` say which host it runs on (torchrun's
+    ``GROUP_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_WORLD_SIZE``; SLURM's ``SLURM_NODEID``,
+    ``SLURM_TASKS_PER_NODE``, ``SLURM_NNODES``). ``node=None``: no launcher said, the process is
+    a host of its own.
+    """
 
     rank: int
     world_size: int
     local_rank: int
     master_addr: str
     master_port: int
+    node: Optional[int] = None
+    local_world_size: int = 1
+    nnodes: Optional[int] = None
+    launcher: str = "env"
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "ClusterEnv":
-        """Read ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
+        """Read torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``GROUP_RANK``,
+        ``LOCAL_WORLD_SIZE``, ``GROUP_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), or SLURM's
+        where ``RANK`` is not set (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``,
+        ``SLURM_NODEID``, ``SLURM_NNODES``, ``SLURM_TASKS_PER_NODE``; the batch script exports
+        ``MASTER_ADDR`` and ``MASTER_PORT``).
 
         Raises:
             ConfigError: a variable is missing or malformed (the message names it).
         """
         env = os.environ if env is None else env
-        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in env]
+        slurm = "RANK" not in env and "SLURM_PROCID" in env
+        needed = ("SLURM_PROCID", "SLURM_NTASKS") if slurm else ("RANK", "WORLD_SIZE")
+        missing = [v for v in (*needed, "MASTER_ADDR", "MASTER_PORT") if v not in env]
         if missing:
-            raise ConfigError(
-                f"{', '.join(missing)} not set: start workers with torchrun, SLURM or "
-                "`poseidon-aio run -n N script.py`, which set RANK, WORLD_SIZE, LOCAL_RANK, "
-                "MASTER_ADDR and MASTER_PORT"
+            how = (
+                "under SLURM, export MASTER_ADDR (the first host of $SLURM_JOB_NODELIST) and a free "
+                "MASTER_PORT in the batch script, or start the workers with srun torchrun"
+                if slurm
+                else "start workers with torchrun, SLURM or `poseidon-aio run -n N script.py`, which set "
+                "RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT"
             )
+            raise ConfigError(f"{', '.join(missing)} not set: {how}")
         try:
-            out = cls(
-                rank=int(env["RANK"]),
-                world_size=int(env["WORLD_SIZE"]),
-                local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
-                master_addr=env["MASTER_ADDR"],
-                master_port=int(env["MASTER_PORT"]),
-            )
-        except ValueError as exc:
+            out = cls._from_slurm(env) if slurm else cls._from_torchrun(env)
+        except (ValueError, IndexError) as exc:
             raise ConfigError(f"malformed launcher environment: {exc}") from None
         if not 0 <= out.rank < out.world_size:
             raise ConfigError(f"RANK={out.rank} is outside 0..WORLD_SIZE-1 ({out.world_size - 1})")
+        if out.node is not None and not 0 <= out.local_rank < out.local_world_size:
+            raise ConfigError(
+                f"rank {out.rank}: local rank {out.local_rank} is outside 0..{out.local_world_size - 1} "
+                f"(the {out.launcher} launcher's local world size)"
+            )
         return out
+
+    @classmethod
+    def _from_torchrun(cls, env: Mapping[str, str]) -> "ClusterEnv":
+        rank = int(env["RANK"])
+        common = dict(
+            rank=rank,
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", rank)),
+            master_addr=env["MASTER_ADDR"],
+            master_port=int(env["MASTER_PORT"]),
+        )
+        if "GROUP_RANK" not in env:
+            return cls(**common)
+        missing = [v for v in ("LOCAL_RANK", "LOCAL_WORLD_SIZE") if v not in env]
+        if missing:
+            raise ValueError(f"GROUP_RANK is set but {', '.join(missing)} is not (torchrun sets all three)")
+        nnodes = env.get("GROUP_WORLD_SIZE")
+        return cls(
+            **common,
+            node=int(env["GROUP_RANK"]),
+            local_world_size=int(env["LOCAL_WORLD_SIZE"]),
+            nnodes=None if nnodes is None else int(nnodes),
+            launcher="torchrun",
+        )
+
+    @classmethod
+    def _from_slurm(cls, env: Mapping[str, str]) -> "ClusterEnv":
+        world, nnodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_NNODES", "1"))
+        node = int(env.get("SLURM_NODEID", "0"))
+        if "SLURM_TASKS_PER_NODE" in env:
+            local_world_size = tasks_per_node(env["SLURM_TASKS_PER_NODE"])[node]
+        else:
+            local_world_size = world // max(nnodes, 1)
+        return cls(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=world,
+            local_rank=int(env.get("SLURM_LOCALID", "0")),
+            master_addr=env["MASTER_ADDR"],
+            master_port=int(env["MASTER_PORT"]),
+            node=node,
+            local_world_size=local_world_size,
+            nnodes=nnodes,
+            launcher="slurm",
+        )
+
+    def placement(self) -> Placement:
+        """What this process publishes of where it runs (a host of its own where no launcher said)."""
+        if self.node is None:
+            return Placement(node=None, local_rank=0, local_world_size=1, hostname=socket.gethostname())
+        return Placement(
+            node=self.node,
+            local_rank=self.local_rank,
+            local_world_size=self.local_world_size,
+            nnodes=self.nnodes,
+            hostname=socket.gethostname(),
+            launcher=self.launcher,
+        )
 
 
 def advertise_host(master_addr: str) -> str:
@@ -544,6 +620,17 @@ class Rendezvous:
                 f"rank {r}'s model differs from rank 0's at {diff}: every rank must build the "
                 f"same model (seen from rank {self.env.rank})"
             )
+
+    async def check_topology(self) -> Topology:
+        """Every rank's placement, exchanged and checked: the job's hosts, the same on every rank.
+
+        Raises:
+            TopologyMismatch: the launcher's hosts are not equal (the message names the host).
+            ConfigError: a rank published a placement this release cannot read.
+            PeerTimeout, StartupAborted, ConnectionLost: as :meth:`read`.
+        """
+        texts = await self.exchange("placement", self.env.placement().to_json(), range(self.env.world_size))
+        return Topology.from_placements({r: Placement.from_json(t, r) for r, t in texts.items()})
 
     async def check_digest(self, what: str, digest: str) -> None:
         """Fail on every rank unless all ranks computed the same ``digest`` of ``what``."""

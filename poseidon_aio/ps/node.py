@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 from ..cluster.book import InformationBook
 from ..cluster.manifest import Manifest
 from ..cluster.rendezvous import ClusterEnv, Rendezvous, StartupConfig, advertise_host
+from ..cluster.topology import Topology
 from ..net import LocalLink, NetConfig, connect, listen
 from ..net.credentials import config_from_env
 from . import checkpoint
@@ -98,6 +99,7 @@ class PSNode:
         factored: Optional[Sequence[Sequence[str]]] = None,
         shard_state: Optional[dict] = None,
         startup: Optional[StartupConfig] = None,
+        topology: Optional[Topology] = None,
     ) -> "PSNode":
         """Join the job and return a ready node.
 
@@ -120,6 +122,8 @@ class PSNode:
                 (:meth:`KVShard.state`, e.g. from a trainer checkpoint), with ``start_clock``
                 the clock it was taken at.
             startup: how long the node's own rendezvous waits for the other ranks.
+            topology: the workers' hosts, where the job has checked them already; by default the
+                node checks them at its rendezvous (:meth:`Rendezvous.check_topology`).
         Raises:
             ConfigError, ManifestMismatch, PeerTimeout, CheckpointError: start-up failed; this
                 rank then publishes why (:meth:`Rendezvous.abort`).
@@ -139,6 +143,7 @@ class PSNode:
         self._shaper = process_shaper
         self._factored = [list(f) for f in factored or ()]
         self._given_state = shard_state
+        self._topology = topology
         try:
             await self._join(manifest, net, groups, start_clock)
         except BaseException as exc:
@@ -149,10 +154,16 @@ class PSNode:
 
     async def _join(self, manifest, net, groups, start_clock) -> None:
         rdzv, env, config = self._rdzv, self.env, self.config
-        if env.rank == 0:
-            setup = {"config": config.to_json(), "groups": [list(g) for g in groups or ()], "factored": self._factored}
-            await rdzv.publish("ps-setup", json.dumps(setup))
         await rdzv.check_manifest(manifest)
+        topology = self._topology or await rdzv.check_topology()
+        if env.rank == 0:
+            setup = {
+                "config": config.to_json(),
+                "groups": [list(g) for g in groups or ()],
+                "factored": self._factored,
+                "hosts": topology.to_json(),
+            }
+            await rdzv.publish("ps-setup", json.dumps(setup))
         workers = env.world_size
         shards = config.shards_for(workers)
         self.book = InformationBook(
@@ -164,6 +175,7 @@ class PSNode:
             placement=config.placement,
             factored=self._factored,
             spread_bytes=config.spread_bytes(),
+            topology=topology,
         )
         await rdzv.check_digest("information book", self.book.digest())
         index = None if config.standalone_shards or env.rank >= shards else env.rank

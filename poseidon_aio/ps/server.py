@@ -15,6 +15,7 @@ import logging
 from ..cluster.book import InformationBook
 from ..cluster.manifest import Manifest
 from ..cluster.rendezvous import ClusterEnv, Rendezvous
+from ..cluster.topology import Topology
 from ..errors import ConfigError, ManifestMismatch, PeerTimeout
 from ..net.credentials import config_from_env
 from .config import PSConfig
@@ -92,6 +93,7 @@ async def _join(rdzv: Rendezvous, index: int, workers: int, net, env: ClusterEnv
         placement=config.placement,
         factored=setup.get("factored") or None,
         spread_bytes=config.spread_bytes(),
+        topology=Topology(setup["hosts"]),
     )
     theirs = await rdzv.read("digest/information book/0", who="rank 0")
     if theirs != book.digest():

@@ -262,6 +262,7 @@ class Planning:
             process_shaper=self.shaper,
             factored=factored or None,
             shard_state={k: v.numpy() for k, v in saved.items()} if saved else None,
+            topology=self.job.topology,
         )
         self._shard_bytes_seen = 0
         if self.settings.ps.server_sgd is not None and not self.node.resumed and self.rank == 0:

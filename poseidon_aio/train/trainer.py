@@ -633,6 +633,13 @@ class Trainer:
         self._require_joined("world_size")
         return self._world
 
+    @property
+    def topology(self):
+        """The job's hosts as the launcher placed the workers, checked at start-up
+        (:class:`~poseidon_aio.cluster.topology.Topology`: ``hosts``, ``local_size``, ``host_of``)."""
+        self._require_joined("topology")
+        return self._job.topology
+
     def _require_joined(self, what: str) -> None:
         if self._rank is None:
             raise ConfigError(

@@ -66,7 +66,9 @@ class WorkerFailed(AssertionError):
         self.rank, self.kind, self.message = rank, kind, message
 
 
-def start_workers(world: int, target, *args, port: int | None = None, env: dict | None = None):
+def start_workers(world: int, target, *args, port: int | None = None, env=None):
+    """``env``: more variables for every rank, a dict or a function of the rank (called here, in
+    the parent)."""
     ctx = mp_context()
     out = ctx.Queue()
     port = port or free_port()
@@ -80,7 +82,7 @@ def start_workers(world: int, target, *args, port: int | None = None, env: dict 
             "MASTER_PORT": str(port),
             # The launcher hands every worker the job's token (never through the store).
             "POSEIDON_TOKEN": JOB_TOKEN,
-            **(env or {}),
+            **((env(rank) if callable(env) else env) or {}),
         }
         p = ctx.Process(target=_entry, args=(rank, penv, out, target, args), daemon=True)
         p.start()

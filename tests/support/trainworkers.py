@@ -207,6 +207,8 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
                 "copies": (trainer.staging.copies_to_host, trainer.staging.copies_to_device),
                 "groups": trainer.merge_groups,
                 "info": trainer.merge_info,
+                "hosts": trainer.topology.hosts,
+                "book_hosts": book.topology.hosts if book is not None else None,
             }
         await rdzv.leave()
         return out

@@ -1,0 +1,261 @@
+"""Hosts from the launcher, checked at the rendezvous (issue 44, part 1).
+
+torchrun's and SLURM's variables become a placement; every rank's placements become one topology,
+the same on every rank, or one error naming the host that differs. The rendezvous tests run the
+real check: one ``Rendezvous`` per rank over a real ``TCPStore`` on loopback, in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch.distributed  # noqa: F401 - as in a trainer; the rendezvous deadline starts after it
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from poseidon_aio.cluster import InformationBook, Manifest, ParamSpec
+from poseidon_aio.cluster.rendezvous import ClusterEnv, Rendezvous
+from poseidon_aio.cluster.topology import Placement, Topology, tasks_per_node
+from poseidon_aio.errors import ConfigError, TopologyMismatch
+
+from .support.cluster import free_port
+
+TORCHRUN = {"MASTER_ADDR": "node-a", "MASTER_PORT": "29500"}
+
+
+def torchrun_env(rank: int, hosts: int, local: int) -> dict:
+    return {
+        **TORCHRUN,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(hosts * local),
+        "LOCAL_RANK": str(rank % local),
+        "LOCAL_WORLD_SIZE": str(local),
+        "GROUP_RANK": str(rank // local),
+        "GROUP_WORLD_SIZE": str(hosts),
+    }
+
+
+def test_torchrun_variables_name_the_host_and_the_local_rank():
+    env = ClusterEnv.from_env(torchrun_env(5, 2, 3))
+    assert (env.rank, env.world_size, env.node, env.local_rank, env.local_world_size, env.nnodes) == (5, 6, 1, 2, 3, 2)
+    p = env.placement()
+    assert (p.node, p.local_rank, p.local_world_size, p.nnodes, p.launcher) == (1, 2, 3, 2, "torchrun")
+
+
+def test_without_a_group_rank_a_process_is_a_host_of_its_own():
+    env = ClusterEnv.from_env({**TORCHRUN, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+    assert env.node is None and env.local_rank == 1  # LOCAL_RANK is still there to pick a device
+    p = env.placement()
+    assert (p.node, p.local_rank, p.local_world_size) == (None, 0, 1)
+
+
+def test_slurm_variables_where_no_rank_is_set():
+    env = ClusterEnv.from_env(
+        {
+            **TORCHRUN,
+            "SLURM_PROCID": "4",
+            "SLURM_NTASKS": "6",
+            "SLURM_LOCALID": "1",
+            "SLURM_NODEID": "1",
+            "SLURM_NNODES": "2",
+            "SLURM_TASKS_PER_NODE": "3(x2)",
+        }
+    )
+    assert (env.rank, env.world_size, env.node, env.local_rank, env.local_world_size, env.launcher) == (
+        4,
+        6,
+        1,
+        1,
+        3,
+        "slurm",
+    )
+    # srun + torchrun: torchrun's variables win over SLURM's.
+    both = ClusterEnv.from_env({**torchrun_env(0, 1, 2), "SLURM_PROCID": "7", "SLURM_NTASKS": "8"})
+    assert (both.rank, both.world_size, both.launcher) == (0, 2, "torchrun")
+
+
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "MASTER_ADDR, MASTER_PORT not set: under SLURM, export"),
+        ({**TORCHRUN, "RANK": "0", "WORLD_SIZE": "2", "GROUP_RANK": "0"}, "LOCAL_RANK, LOCAL_WORLD_SIZE is not"),
+        ({**torchrun_env(0, 1, 2), "LOCAL_RANK": "2"}, "local rank 2 is outside 0..1"),
+        ({**TORCHRUN, "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_TASKS_PER_NODE": "2(x"}, "malformed"),
+        (
+            {**TORCHRUN, "RANK": "0", "WORLD_SIZE": "2", "GROUP_RANK": "x", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"},
+            "malformed",
+        ),
+    ],
+)
+def test_a_launcher_environment_that_does_not_add_up_is_a_config_error(env, words):
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        ClusterEnv.from_env(env)
+
+
+def test_slurm_tasks_per_node_spelled_out():
+    assert tasks_per_node("4") == [4]
+    assert tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    for bad in ("", "2(x0)", "a", "2(x99999999)"):
+        with pytest.raises(ValueError):
+            tasks_per_node(bad)
+
+
+def placements(hosts: int, local: int, order: list, **over) -> dict:
+    """``order``: the node of each rank (any assignment with ``local`` ranks a node)."""
+    seen: dict = {}
+    out = {}
+    for rank, node in enumerate(order):
+        lr = seen.get(node, 0)
+        seen[node] = lr + 1
+        out[rank] = Placement(node, lr, local, hosts, hostname=f"node-{node}", launcher="torchrun")
+    for rank, fields in over.items():
+        out[int(rank[1:])] = Placement(**{**out[int(rank[1:])].__dict__, **fields})
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.randoms(use_true_random=False))
+def test_any_launcher_order_gives_every_rank_the_same_hosts(hosts, local, rnd):
+    order = [n for n in range(hosts) for _ in range(local)]
+    rnd.shuffle(order)
+    topo = Topology.from_placements(placements(hosts, local, order))
+    assert len(topo.hosts) == hosts and topo.local_size == local and topo.world == hosts * local
+    for rank, node in enumerate(order):
+        assert topo.host_of(rank) == node and topo.names[node] == f"node-{node}"
+        assert rank in topo.local_peers(rank) and topo.hosts[node][topo.local_rank_of(rank)] == rank
+    assert [topo.local_rank_of(topo.leader(h)) for h in range(hosts)] == [0] * hosts
+    shuffled = dict(random.Random(0).sample(sorted(placements(hosts, local, order).items()), hosts * local))
+    assert Topology.from_placements(shuffled) == topo  # the same whatever order the store answered in
+
+
+def test_no_launcher_host_is_the_flat_job():
+    flat = {r: Placement(None, 0, 1) for r in range(3)}
+    assert Topology.from_placements(flat) == Topology.flat(3) == Topology(((0,), (1,), (2,)))
+
+
+@pytest.mark.parametrize(
+    "hosts, order, over, words",
+    [
+        # 2 + 1: host 1 runs fewer workers than host 0 (each says so truthfully).
+        (
+            2,
+            [0, 0, 1],
+            {"r2": {"local_world_size": 1, "local_rank": 0}},
+            "host 1 ('node-1') runs 1 workers where host 0 ('node-0') runs 2",
+        ),
+        (2, [0, 0, 1, 1], {"r3": {"node": None}}, "rank 3 was given no host"),
+        (
+            2,
+            [0, 0, 1, 1],
+            {"r3": {"local_rank": 0}},
+            "ranks 2 and 3 both say they are local rank 0 on host 1 ('node-1')",
+        ),
+        (
+            2,
+            [0, 0, 0, 1],
+            {"r3": {"local_world_size": 3}},
+            "host 0 ('node-0') says it runs 2 workers but ranks [0, 1, 2]",
+        ),
+        (
+            2,
+            [0, 0, 1, 1],
+            {"r0": {"local_world_size": 3}},
+            "the ranks on host 0 ('node-0') disagree on its local world size",
+        ),
+        (
+            2,
+            [0, 0, 1, 1],
+            {"r1": {"nnodes": 3}, "r0": {"nnodes": 3}, "r2": {"nnodes": 3}, "r3": {"nnodes": 3}},
+            "says the job has [3] hosts but its 4 ranks are on 2",
+        ),
+    ],
+)
+def test_a_job_of_unequal_hosts_is_refused_naming_the_host(hosts, order, over, words):
+    with pytest.raises(TopologyMismatch) as err:
+        Topology.from_placements(placements(hosts, 2, order, **over))
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_placement_off_the_store_is_type_checked():
+    good = Placement(1, 0, 2, 2, "h", "torchrun")
+    assert Placement.from_json(good.to_json(), 3) == good
+    for bad in ("[]", '{"node": "1"}', good.to_json().replace('"local_rank": 0', '"local_rank": -1'), "{"):
+        with pytest.raises(ConfigError, match="rank 3 published a placement"):
+            Placement.from_json(bad, 3)
+
+
+def test_the_information_book_records_the_hosts():
+    m = Manifest([ParamSpec("w", (64, 64)), ParamSpec("b", (64,))])
+    flat = InformationBook(m, workers=4, shards=4)
+    assert flat.topology == Topology.flat(4)
+    # A flat job's digest is what it was before the book recorded hosts: its shard checkpoints resume.
+    # (The digest this book had on 9a82134, before the book took a topology.)
+    assert flat.digest() == "20e83b48cde34130cb981df3b96867e3288f5cb571fa4bb0fa2806a3386cb6d9"
+    two = InformationBook(m, workers=4, shards=4, topology=Topology(((0, 1), (2, 3))))
+    assert two.topology.hosts == ((0, 1), (2, 3)) and two.digest() != flat.digest()
+    assert two.digest() != InformationBook(m, workers=4, shards=4, topology=Topology(((0, 2), (1, 3)))).digest()
+    with pytest.raises(ConfigError, match="hold 2 workers, the book 4"):
+        InformationBook(m, workers=4, shards=4, topology=Topology(((0, 1),)))
+
+
+async def _check_all(envs: list) -> list:
+    """Every rank's ``check_topology`` over one real store, each its own Rendezvous."""
+    rdzvs = [Rendezvous(env, timeout=20.0) for env in envs]
+    async with asyncio.timeout(60):
+        for r in rdzvs:
+            await r.start()
+        got = await asyncio.gather(*(r.check_topology() for r in rdzvs), return_exceptions=True)
+        await asyncio.gather(*(r.leave(5.0) for r in reversed(rdzvs)))
+    return got
+
+
+async def test_every_rank_sees_the_same_hosts_through_the_store():
+    port = free_port()
+    envs = [
+        ClusterEnv.from_env({**torchrun_env(r, 2, 2), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        for r in range(4)
+    ]
+    got = await _check_all(envs)
+    assert all(t == got[0] for t in got) and got[0].hosts == ((0, 1), (2, 3))
+
+
+async def test_a_host_with_another_local_world_size_is_refused_on_every_rank():
+    port = free_port()
+    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "3"}
+    # torchrun with --nproc-per-node 2 on host 0 and 1 on host 1.
+    layout = [(0, 0, 2), (0, 1, 2), (1, 0, 1)]
+    envs = [
+        ClusterEnv.from_env(
+            {**base, "RANK": str(r), "GROUP_RANK": str(n), "LOCAL_RANK": str(lr), "LOCAL_WORLD_SIZE": str(size)}
+        )
+        for r, (n, lr, size) in enumerate(layout)
+    ]
+    got = await _check_all(envs)
+    for exc in got:
+        assert isinstance(exc, TopologyMismatch), exc
+        assert "host 1 (" in str(exc) and "runs 1 workers where host 0" in str(exc)
+
+
+def test_a_trainer_under_torchrun_multi_node_knows_its_hosts_and_stays_exact():
+    # 2 hosts x 2 workers as torchrun multi-node places them (GROUP_RANK, LOCAL_RANK,
+    # LOCAL_WORLD_SIZE), all on loopback: the trainer and its parameter server's book hold the
+    # hosts, and SFB, all-reduce and PS side by side stay equal to one process.
+    import numpy as np
+
+    from .support.cluster import run_workers
+    from .support.trainworkers import run_failures, single_process, train_worker
+
+    def launcher(rank: int) -> dict:
+        return {k: v for k, v in torchrun_env(rank, 2, 2).items() if k not in TORCHRUN}
+
+    spec = {"kind": "mlp", "inputs": 20, "hidden": [48, 32], "classes": 4}
+    workers, seed, steps, size = 4, 3, 3, 4
+    runs = [("mixed", "poseidon", "mixed")]
+    res = run_workers(workers, train_worker, spec, seed, runs, steps, size, {}, timeout=120, env=launcher)
+    for r in range(workers):
+        assert res[r]["mixed"]["hosts"] == ((0, 1), (2, 3)) == res[r]["mixed"]["book_hosts"]
+    assert {"sfb", "allreduce", "ps"} <= set(res[0]["mixed"]["schemes"].values())
+    assert run_failures(res, "mixed", spec, single_process(spec, seed, workers, steps, size), workers) == []
+    assert np.isfinite(res[0]["mixed"]["losses"]).all()
