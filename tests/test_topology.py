@@ -241,9 +241,8 @@ async def test_a_host_with_another_local_world_size_is_refused_on_every_rank():
 def test_a_trainer_under_torchrun_multi_node_knows_its_hosts_and_stays_exact():
     # 2 hosts x 2 workers as torchrun multi-node places them (GROUP_RANK, LOCAL_RANK,
     # LOCAL_WORLD_SIZE), all on loopback: the trainer and its parameter server's book hold the
-    # hosts, and SFB, all-reduce and PS side by side stay equal to one process.
-    import numpy as np
-
+    # hosts; SFB, all-reduce (summed inside the host first) and PS side by side, every layer by
+    # all-reduce, and the same flat, all stay equal to one process.
     from .support.cluster import run_workers
     from .support.trainworkers import run_failures, single_process, train_worker
 
@@ -252,10 +251,19 @@ def test_a_trainer_under_torchrun_multi_node_knows_its_hosts_and_stays_exact():
 
     spec = {"kind": "mlp", "inputs": 20, "hidden": [48, 32], "classes": 4}
     workers, seed, steps, size = 4, 3, 3, 4
-    runs = [("mixed", "poseidon", "mixed")]
+    runs = [
+        ("mixed", "poseidon", "mixed"),
+        ("hosts", "poseidon", "every-allreduce", "none"),
+        ("flat", "poseidon", "every-allreduce", "none", {"hosts": "flat"}),
+    ]
     res = run_workers(workers, train_worker, spec, seed, runs, steps, size, {}, timeout=120, env=launcher)
     for r in range(workers):
         assert res[r]["mixed"]["hosts"] == ((0, 1), (2, 3)) == res[r]["mixed"]["book_hosts"]
     assert {"sfb", "allreduce", "ps"} <= set(res[0]["mixed"]["schemes"].values())
-    assert run_failures(res, "mixed", spec, single_process(spec, seed, workers, steps, size), workers) == []
-    assert np.isfinite(res[0]["mixed"]["losses"]).all()
+    reference = single_process(spec, seed, workers, steps, size)
+    for label, *_ in runs:
+        assert run_failures(res, label, spec, reference, workers) == []
+    # Across hosts a host sends its all-reduce bytes once: (H - 1) / (P - 1) = 1/3 of the flat run's.
+    hosts = sum(res[r]["hosts"]["bytes"]["allreduce"] for r in range(workers))
+    flat = sum(res[r]["flat"]["bytes"]["allreduce"] for r in range(workers))
+    assert abs(hosts / flat - 1 / 3) < 0.01, (hosts, flat)

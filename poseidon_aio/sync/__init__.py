@@ -11,6 +11,7 @@ from .allreduce import AllReduceConfig, AllReduceSyncer
 from .bucket import Bucket
 from .compress import Feedback, measure_compute
 from .half import HalfSyncer
+from .hierarchical import HierarchicalAllReduce
 from .merge import Merging
 from .powersgd import PowerSGDSyncer
 from .ps import PSSyncer
@@ -27,6 +28,7 @@ __all__ = [
     "Bucket",
     "Feedback",
     "HalfSyncer",
+    "HierarchicalAllReduce",
     "MergeRuntime",
     "Merging",
     "PSSyncer",

@@ -48,7 +48,7 @@ from ..wire import DTYPE_BY_NAME, Kind, wire_dtype
 from ..wire.codec import byte_view
 from ..wire.spans import spanning
 from .bucket import Bucket
-from .syncer import SyncContext, Syncer, SyncResult, register
+from .syncer import SyncContext, Syncer, SyncResult
 
 CHUNKS_PER_LAYER = 1 << 16
 
@@ -138,6 +138,29 @@ def _scatter(flat: np.ndarray, arrays: list, pieces: list) -> None:
         offset += hi - lo
 
 
+def flat_arrays(bucket: Bucket) -> tuple:
+    """``(grads, outs, dtype, wire dtype)``: the bucket's arrays flattened, of one dtype.
+
+    Raises:
+        ConfigError: the bucket mixes dtypes, or holds one with no wire type.
+    """
+    grads = [g.reshape(-1) for g in bucket.grads]
+    outs = [o.reshape(-1) for o in bucket.outs]
+    dtype = grads[0].dtype
+    if any(g.dtype != dtype for g in grads):
+        raise ConfigError(
+            f"bucket {bucket.label} mixes dtypes {sorted({str(g.dtype) for g in grads})}: "
+            "all-reduce one dtype at a time"
+        )
+    wire = wire_dtype(dtype)
+    if wire is None:
+        raise ConfigError(
+            f"bucket {bucket.label} holds {dtype} arrays, which have no wire type: "
+            f"all-reduce {', '.join(DTYPE_BY_NAME)}"
+        )
+    return grads, outs, dtype, wire
+
+
 @dataclass
 class AllReduceConfig:
     """How the all-reduce scheme's buckets move over the worker mesh.
@@ -158,27 +181,40 @@ class AllReduceConfig:
             )
 
 
-@register
 class AllReduceSyncer(Syncer):
-    """Args:
+    """The all-reduce scheme over every worker as a peer of its own (the scheme's registered
+    syncer, :class:`~poseidon_aio.sync.hierarchical.HierarchicalAllReduce`, builds it where every
+    host runs one worker).
+
+    Args:
     rank, world: this worker and how many there are.
     peers: ``{rank: link}`` to every other worker.
     timeout: seconds to wait for any one part.
     chunk_bytes: the pipelining granularity (``PSConfig.chunk_bytes``: the same 2 MiB).
     algorithm: ``"auto"``, ``"ring"`` or ``"direct"`` (``AllReduceConfig.algorithm``; see the
         module's text and ``cost.goes_round_ring``).
+    ranks: the job's rank of each of ``0 .. world - 1``, where this all-reduce runs over a
+        subgroup (the hosts' ring of a hierarchical all-reduce), for messages.
     """
 
     scheme = Scheme.ALLREDUCE
 
     def __init__(
-        self, rank: int, world: int, peers, timeout: float, chunk_bytes: int = 2 << 20, algorithm: str = "auto"
+        self,
+        rank: int,
+        world: int,
+        peers,
+        timeout: float,
+        chunk_bytes: int = 2 << 20,
+        algorithm: str = "auto",
+        ranks: Sequence[int] = (),
     ) -> None:
         if algorithm not in ALLREDUCE_ALGORITHMS:
             raise ConfigError(f"all-reduce algorithm {algorithm!r}: use one of {', '.join(ALLREDUCE_ALGORITHMS)}")
         self.algorithm = algorithm
         self.rank = rank
         self.world = world
+        self._ranks = tuple(ranks) or tuple(range(world))
         self._peers = dict(peers)
         self._timeout = timeout
         self._chunk_bytes = chunk_bytes
@@ -201,20 +237,7 @@ class AllReduceSyncer(Syncer):
         return layout
 
     async def _sync(self, bucket: Bucket, clock: int) -> SyncResult:
-        grads = [g.reshape(-1) for g in bucket.grads]
-        outs = [o.reshape(-1) for o in bucket.outs]
-        dtype = grads[0].dtype
-        if any(g.dtype != dtype for g in grads):
-            raise ConfigError(
-                f"bucket {bucket.label} mixes dtypes {sorted({str(g.dtype) for g in grads})}: "
-                "all-reduce one dtype at a time"
-            )
-        wire = wire_dtype(dtype)
-        if wire is None:
-            raise ConfigError(
-                f"bucket {bucket.label} holds {dtype} arrays, which have no wire type: "
-                f"all-reduce {', '.join(DTYPE_BY_NAME)}"
-            )
+        grads, outs, dtype, wire = flat_arrays(bucket)
         if self.world == 1:
             for g, o in zip(grads, outs):
                 np.copyto(o, g)
@@ -370,7 +393,9 @@ class AllReduceSyncer(Syncer):
         sent = (stop - start) * grads[0].itemsize
         for s in range(steps):
             fut, acc = parts[(c, s)]
-            await self._bounded(fut, bucket, clock, f"reduce-scatter step {s} of chunk {c} from rank {prev}")
+            await self._bounded(
+                fut, bucket, clock, f"reduce-scatter step {s} of chunk {c} from rank {self._ranks[prev]}"
+            )
             _add_into(acc, grads, layout.pieces(*slices[(r - s - 1) % P]))
             if s < steps - 1:
                 await nxt.send(Kind.PUSH, acc, key=base + s + 1, clock=clock, dtype=wire, priority=bucket.priority)
@@ -382,7 +407,7 @@ class AllReduceSyncer(Syncer):
         sent += acc.nbytes
         for s in range(steps):
             fut, into, pieces = gathers[(c, s)]
-            await self._bounded(fut, bucket, clock, f"all-gather step {s} of chunk {c} from rank {prev}")
+            await self._bounded(fut, bucket, clock, f"all-gather step {s} of chunk {c} from rank {self._ranks[prev]}")
             if pieces is not None:  # a chunk across arrays: scatter it
                 _scatter(into, outs, pieces)
             if s < steps - 1:
@@ -423,9 +448,9 @@ class AllReduceSyncer(Syncer):
         try:
             return await asyncio.wait_for(aw, self._timeout)
         except TimeoutError:
-            late = sorted({q for q, fut in waits if fut.cancelled() or not fut.done()})
+            late = sorted({self._ranks[q] for q, fut in waits if fut.cancelled() or not fut.done()})
             who = f" from rank(s) {late}" if late else ""
             raise SyncTimeout(
-                f"rank {self.rank}: all-reduce of {bucket.label} at clock {clock}: {what}{who} did not arrive "
-                f"within {self._timeout} s; a worker may be dead or stalled"
+                f"rank {self._ranks[self.rank]}: all-reduce of {bucket.label} at clock {clock}: {what}{who} "
+                f"did not arrive within {self._timeout} s; a worker may be dead or stalled"
             ) from None

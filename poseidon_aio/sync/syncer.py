@@ -61,6 +61,8 @@ class SyncContext:
         compression: the lossy schemes' settings (``plan.lossy.CompressionConfig``).
         feedback: this worker's error-feedback state (``sync.compress.Feedback``), kept by the
             trainer across syncer rebuilds and in its checkpoints.
+        topology: the job's hosts (``cluster.topology.Topology``); ``None``, or one worker a
+            host: every worker a peer of its own on the network.
     """
 
     rank: int
@@ -75,6 +77,7 @@ class SyncContext:
     allreduce: str = "auto"
     compression: object = None
     feedback: object = None
+    topology: object = None
 
 
 class Syncer(abc.ABC):

@@ -186,6 +186,7 @@ class Planning:
             allreduce=s.allreduce.algorithm,
             compression=s.compression,
             feedback=self.feedback,
+            topology=self.job.topology if s.hosts == "launcher" else None,
         )
         syncers = {scheme: syncer_class(scheme).build(ctx) for scheme in self.plan.used()}
         if s.merge.kind is not MergeKind.NONE:

@@ -57,6 +57,10 @@ class Settings:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     startup: StartupConfig = field(default_factory=StartupConfig)
     broadcast_buffers: bool = True
+    hosts: str = "launcher"
+
+
+HOSTS = ("launcher", "flat")
 
 
 def resolve(
@@ -71,6 +75,7 @@ def resolve(
     optimizer: Optional[OptimizerConfig] = None,
     startup: Optional[StartupConfig] = None,
     broadcast_buffers: bool = True,
+    hosts: str = "launcher",
 ) -> Settings:
     """The trainer's settings, defaults filled in and checked against each other.
 
@@ -109,6 +114,8 @@ def resolve(
             f"Trainer(hybcomm=...) names a scheme that does not exist: {list(hybcomm)}; "
             f"known: {[s.value for s in Scheme]}"
         ) from None
+    if hosts not in HOSTS:
+        raise ConfigError(f"Trainer(hosts=...) must be one of {list(HOSTS)}, got {hosts!r}")
     compression = CompressionConfig.of(compression)
     if compression is not None and mode is not Mode.POSEIDON:
         raise ConfigError(
@@ -126,4 +133,5 @@ def resolve(
         optimizer=optimizer or OptimizerConfig(),
         startup=startup or StartupConfig(),
         broadcast_buffers=broadcast_buffers,
+        hosts=hosts,
     )

@@ -77,6 +77,10 @@ class Trainer:
         broadcast_buffers: after every step, rank 0's buffers (BatchNorm statistics) to every rank.
         compression: lossy compression, opt-in: ``"auto"``, ``"fp16"``, ``"powersgd"``, ``"topk"``
             or a :class:`~poseidon_aio.sync.CompressionConfig`; mode ``poseidon`` only.
+        hosts: ``"launcher"`` (default): where the launcher puts several workers on a host
+            (torchrun's ``--nproc-per-node``, SLURM's tasks per node), their all-reduce layers
+            are summed inside the host first and cross the network once per host;
+            ``"flat"``: every worker a peer of its own on the network, as for comparison.
         env: the launcher environment (default: ``RANK``, ``WORLD_SIZE``, ... from the environment).
         rendezvous: an already started :class:`Rendezvous`, to run several trainers over one store.
 
@@ -107,13 +111,25 @@ class Trainer:
         trace: Optional[TraceConfig] = None,
         broadcast_buffers: bool = True,
         compression: CompressionConfig | str | None = None,
+        hosts: str = "launcher",
         env: Optional[ClusterEnv] = None,
         rendezvous: Optional[Rendezvous] = None,
     ) -> None:
         if loss_fn is not None and batch_loss is not None:
             raise ConfigError("give the Trainer loss_fn (for (inputs, targets) batches) or batch_loss, not both")
         self.settings = resolve(
-            mode, ps, net, merge, compression, schemes, hybcomm, allreduce, optimizer_config, startup, broadcast_buffers
+            mode,
+            ps,
+            net,
+            merge,
+            compression,
+            schemes,
+            hybcomm,
+            allreduce,
+            optimizer_config,
+            startup,
+            broadcast_buffers,
+            hosts,
         )
         self.model, self.optimizer = model, optimizer
         self.loss_fn, self.batch_loss = loss_fn, batch_loss

@@ -1,0 +1,104 @@
+"""The hierarchical all-reduce over in-memory connections: every rank ends with the same bits, the
+mean of every rank's gradients, and each rank sends across hosts only its 1/L share of a ring
+all-reduce's bytes over the hosts (issue 44, part 2)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from poseidon_aio.cluster.topology import Topology
+from poseidon_aio.errors import SyncTimeout
+from poseidon_aio.sync import AllReduceSyncer, HierarchicalAllReduce, SyncContext
+from poseidon_aio.sync.bucket import Bucket
+
+from .support.memtransport import run_async
+from .test_allreduce import MAX_CHUNKS, mesh
+
+LAYOUTS = [(1, 2), (2, 2), (2, 3), (3, 1), (3, 2)]  # hosts x local workers
+
+
+def topology(hosts: int, local: int, interleaved: bool) -> Topology:
+    """Ranks in blocks by host (torchrun's order), or dealt round the hosts (any launcher's)."""
+    if interleaved:
+        return Topology(tuple(tuple(range(h, hosts * local, hosts)) for h in range(hosts)))
+    return Topology(tuple(tuple(range(h * local, (h + 1) * local)) for h in range(hosts)))
+
+
+async def reduce_all(topo, sizes, chunk_bytes, algorithm, seed, clocks=2, timeout=30.0):
+    world = topo.world
+    peers = await mesh(world, seed)
+    syncers = [
+        HierarchicalAllReduce.build(
+            SyncContext(r, world, peers[r], timeout, chunk_bytes=chunk_bytes, allreduce=algorithm, topology=topo)
+        )
+        for r in range(world)
+    ]
+    results, sent = [], []
+    for clock in range(clocks):  # a second clock over the same syncers and connections
+        grads = [
+            [
+                np.random.default_rng([seed, clock, r, i]).standard_normal(n).astype(np.float32)
+                for i, n in enumerate(sizes)
+            ]
+            for r in range(world)
+        ]
+        outs = [[np.full(n, np.nan, dtype=np.float32) for n in sizes] for _ in range(world)]
+        buckets = [Bucket("b", [3, 4], list(range(len(sizes))), outs[r], grads=grads[r]) for r in range(world)]
+        done = await asyncio.gather(*(syncers[r].start(buckets[r], clock) for r in range(world)))
+        results.append((grads, outs))
+        sent.append([d.bytes_sent for d in done])
+    for side in peers:
+        for conn in side.values():
+            conn.abort()
+    return syncers, results, sent
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    interleaved=st.booleans(),
+    sizes=st.lists(st.integers(1, 300), min_size=1, max_size=4),
+    chunk_items=st.integers(1, 64),
+    algorithm=st.sampled_from(["ring", "direct", "auto"]),
+    seed=st.integers(0, 10_000),
+)
+def test_every_rank_gets_the_same_bits_the_mean_and_sends_its_share_across_hosts(
+    layout, interleaved, sizes, chunk_items, algorithm, seed
+):
+    hosts, local = layout
+    topo = topology(hosts, local, interleaved)
+    chunk_items = max(chunk_items, -(-sum(sizes) // MAX_CHUNKS))
+    syncers, results, sent = run_async(reduce_all(topo, sizes, 4 * chunk_items, algorithm, seed))
+    flat = local == 1
+    assert all(isinstance(s, AllReduceSyncer if flat else HierarchicalAllReduce) for s in syncers)
+    for grads, outs in results:
+        for i in range(len(sizes)):
+            for r in range(1, topo.world):
+                assert outs[r][i].tobytes() == outs[0][i].tobytes(), f"array {i}: rank {r} differs from rank 0"
+            mean = np.mean([g[i].astype(np.float64) for g in grads], axis=0)
+            np.testing.assert_allclose(outs[0][i], mean, rtol=1e-5, atol=1e-6)
+    # Across hosts each rank sends a ring all-reduce's bytes over H hosts of its 1/L slice, so
+    # a host sends 2 (H - 1) / H of the bucket, once, to within the slices' rounding.
+    total = 4 * sum(sizes)
+    for per_rank in sent:
+        host_bytes = [sum(per_rank[r] for r in members) for members in topo.hosts]
+        for b in host_bytes:
+            assert abs(b - 2 * total * (hosts - 1) / hosts) <= 2 * 4 * (hosts - 1) * local, (b, total, topo.hosts)
+
+
+def test_a_local_rank_that_never_starts_ends_in_a_timeout_that_names_it():
+    async def go():
+        topo = Topology(((0, 1), (2, 3)))
+        peers = await mesh(4, 2)
+        syncers = [HierarchicalAllReduce(r, topo, peers[r], 0.5, 64) for r in range(4)]
+        bucket = lambda r: Bucket("fc1", [1], [0], [np.empty(96, np.float32)], grads=[np.ones(96, np.float32)])  # noqa: E731
+        # Rank 1 never starts: rank 0, on its host, waits for its part.
+        return await asyncio.gather(*(syncers[r].start(bucket(r), 7) for r in (0, 2, 3)), return_exceptions=True)
+
+    first = run_async(go())[0]
+    assert isinstance(first, SyncTimeout), first
+    assert "rank 0: all-reduce of fc1 at clock 7: the parts of its host's ranks from rank(s) [1]" in str(first)
