@@ -1,6 +1,10 @@
-"""The hierarchical all-reduce over in-memory connections: every rank ends with the same bits, the
-mean of every rank's gradients, and each rank sends across hosts only its 1/L share of a ring
-all-reduce's bytes over the hosts (issue 44, part 2)."""
+"""The schemes between hosts of several workers, over in-memory connections (issue 44, part 2).
+
+The hierarchical all-reduce: every rank ends with the same bits, the mean of every rank's
+gradients, and each rank sends across hosts only its 1/L share of a ring all-reduce's bytes over
+the hosts. SFB between hosts: every rank rebuilds the same bits, the mean over every rank's
+factors, and each host's stacked factors cross the network once a peer host.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from hypothesis import strategies as st
 
 from poseidon_aio.cluster.topology import Topology
 from poseidon_aio.errors import SyncTimeout
-from poseidon_aio.sync import AllReduceSyncer, HierarchicalAllReduce, SyncContext
+from poseidon_aio.sync import AllReduceSyncer, HierarchicalAllReduce, HierarchicalSFB, SFBSyncer, SyncContext
 from poseidon_aio.sync.bucket import Bucket
 
 from .support.memtransport import run_async
@@ -102,3 +106,64 @@ def test_a_local_rank_that_never_starts_ends_in_a_timeout_that_names_it():
     first = run_async(go())[0]
     assert isinstance(first, SyncTimeout), first
     assert "rank 0: all-reduce of fc1 at clock 7: the parts of its host's ranks from rank(s) [1]" in str(first)
+
+
+async def sfb_all(topo, ks, m, n, seed, clocks=2, timeout=30.0):
+    import torch
+
+    from poseidon_aio.kernels.cpu import reconstruct
+
+    world = topo.world
+    peers = await mesh(world, seed)
+    syncers = [
+        HierarchicalSFB.build(SyncContext(r, world, peers[r], timeout, reconstruct=reconstruct, topology=topo))
+        for r in range(world)
+    ]
+    results, sent = [], []
+    for clock in range(clocks):
+        rng = np.random.default_rng([seed, clock])
+        fs = [
+            (rng.standard_normal((ks[r], m)).astype(np.float32), rng.standard_normal((ks[r], n)).astype(np.float32))
+            for r in range(world)
+        ]
+        outs = [(torch.full((m, n), float("nan")), torch.full((m,), float("nan"))) for _ in range(world)]
+        buckets = [Bucket("fc", [5], [0, 1], list(outs[r]), factors=fs[r], shape=(m, n)) for r in range(world)]
+        done = await asyncio.gather(*(syncers[r].start(buckets[r], clock) for r in range(world)))
+        results.append((fs, outs))
+        sent.append([d.bytes_sent for d in done])
+    for side in peers:
+        for conn in side.values():
+            conn.abort()
+    return syncers, results, sent
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    layout=st.sampled_from(LAYOUTS + [(4, 2), (5, 2)]),
+    interleaved=st.booleans(),
+    k=st.integers(0, 4),
+    m=st.integers(1, 12),
+    n=st.integers(1, 12),
+    seed=st.integers(0, 10_000),
+)
+def test_sfb_between_hosts_rebuilds_the_same_bits_everywhere_sending_each_stack_once_a_host(
+    layout, interleaved, k, m, n, seed
+):
+    hosts, local = layout
+    topo = topology(hosts, local, interleaved)
+    ks = [k + (r % 2) for r in range(topo.world)]  # uneven batches: a stack's rows are not L x K
+    syncers, results, sent = run_async(sfb_all(topo, ks, m, n, seed))
+    assert all(isinstance(s, SFBSyncer if local == 1 else HierarchicalSFB) for s in syncers)
+    for fs, outs in results:
+        for r in range(1, topo.world):
+            for a, b in zip(outs[r], outs[0]):
+                assert a.numpy().tobytes() == b.numpy().tobytes(), f"rank {r} differs from rank 0"
+        u = np.concatenate([f[0] for f in fs]).astype(np.float64)
+        v = np.concatenate([f[1] for f in fs]).astype(np.float64)
+        np.testing.assert_allclose(outs[0][0].numpy(), u.T @ v / topo.world, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(outs[0][1].numpy(), u.sum(0) / topo.world, rtol=1e-4, atol=1e-5)
+    if local > 1:  # each host's stack crosses the network once a peer host
+        for per_rank in sent:
+            for members in topo.hosts:
+                rows = sum(ks[r] for r in members)
+                assert sum(per_rank[r] for r in members) == 4 * rows * (m + n) * (hosts - 1)

@@ -253,6 +253,7 @@ def test_a_trainer_under_torchrun_multi_node_knows_its_hosts_and_stays_exact():
     workers, seed, steps, size = 4, 3, 3, 4
     runs = [
         ("mixed", "poseidon", "mixed"),
+        ("mixed-flat", "poseidon", "mixed", None, {"hosts": "flat"}),
         ("hosts", "poseidon", "every-allreduce", "none"),
         ("flat", "poseidon", "every-allreduce", "none", {"hosts": "flat"}),
     ]
@@ -263,7 +264,9 @@ def test_a_trainer_under_torchrun_multi_node_knows_its_hosts_and_stays_exact():
     reference = single_process(spec, seed, workers, steps, size)
     for label, *_ in runs:
         assert run_failures(res, label, spec, reference, workers) == []
-    # Across hosts a host sends its all-reduce bytes once: (H - 1) / (P - 1) = 1/3 of the flat run's.
-    hosts = sum(res[r]["hosts"]["bytes"]["allreduce"] for r in range(workers))
-    flat = sum(res[r]["flat"]["bytes"]["allreduce"] for r in range(workers))
-    assert abs(hosts / flat - 1 / 3) < 0.01, (hosts, flat)
+    # Across hosts a host sends its all-reduce bytes and its factors once: (H - 1) / (P - 1) = 1/3
+    # of the flat run's.
+    for scheme, (label, flat_label) in {"allreduce": ("hosts", "flat"), "sfb": ("mixed", "mixed-flat")}.items():
+        hosts = sum(res[r][label]["bytes"][scheme] for r in range(workers))
+        flat = sum(res[r][flat_label]["bytes"][scheme] for r in range(workers))
+        assert abs(hosts / flat - 1 / 3) < 0.01, (scheme, hosts, flat)

@@ -12,6 +12,7 @@ from .bucket import Bucket
 from .compress import Feedback, measure_compute
 from .half import HalfSyncer
 from .hierarchical import HierarchicalAllReduce
+from .hierarchical_sfb import HierarchicalSFB
 from .merge import Merging
 from .powersgd import PowerSGDSyncer
 from .ps import PSSyncer
@@ -29,6 +30,7 @@ __all__ = [
     "Feedback",
     "HalfSyncer",
     "HierarchicalAllReduce",
+    "HierarchicalSFB",
     "MergeRuntime",
     "Merging",
     "PSSyncer",

@@ -18,12 +18,15 @@ from ..wire import Kind
 from ..plan.cost import Scheme
 from ..wire import factors
 from .bucket import Bucket
-from .syncer import SyncContext, Syncer, SyncResult, register
+from .syncer import SyncContext, Syncer, SyncResult
 
 
-@register
 class SFBSyncer(Syncer):
-    """Args:
+    """The SFB scheme between workers that are each a peer of their own (the scheme's registered
+    syncer, :class:`~poseidon_aio.sync.hierarchical_sfb.HierarchicalSFB`, builds it where every
+    host runs one worker).
+
+    Args:
     rank, world: this worker and how many there are.
     peers: ``{rank: link}`` to every other worker.
     reconstruct: ``reconstruct(us, vs, scale, out_w, out_b)``, the kernel (torch or CuPy).
