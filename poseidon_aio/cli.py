@@ -4,6 +4,8 @@ poseidon-aio info [--require-extension]   versions, codec, event loop, network i
 poseidon-aio shard --index S              host one parameter-server shard (standalone layout)
 poseidon-aio explain --fc 4096x4096 ...   per-layer cost model and scheme choice
 poseidon-aio run -n 4 script.py [args]    N local workers of a script, through torchrun
+poseidon-aio run --nnodes 2 --node-rank 0 --master-addr A --master-port P -n 4 script.py
+                                          this host's 4 workers of a 2-host job
 """
 
 from __future__ import annotations
@@ -331,7 +333,8 @@ def _explain_compression(args: argparse.Namespace, candidates: tuple, link) -> i
 
 
 def _run(args: argparse.Namespace) -> int:
-    """N local workers through torchrun (in this process, so a failure reads as one line per rank)."""
+    """N workers on this host through torchrun (in this process, so a failure reads as one line per
+    rank); with ``--nnodes``, this host's part of a job over several, each started alike."""
     import logging
     import os
     import secrets
@@ -347,6 +350,27 @@ def _run(args: argparse.Namespace) -> int:
     from .errors import ConfigError
     from .net.credentials import TOKEN_ENV, TOKEN_FILE_ENV, self_signed, tls_env, token_from_env
 
+    hosts = args.nnodes
+    if hosts < 1 or not 0 <= args.node_rank < hosts or args.nproc < 1:
+        raise ConfigError(
+            f"--nnodes {hosts} --node-rank {args.node_rank} -n {args.nproc}: need -n >= 1 and "
+            "0 <= --node-rank < --nnodes"
+        )
+    if hosts > 1:
+        if args.master_addr is None or args.master_port is None:
+            raise ConfigError(
+                "with --nnodes > 1 give every host the same --master-addr (host 0's address) and --master-port"
+            )
+        if not (args.token_file or os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_FILE_ENV)):
+            raise ConfigError(
+                f"with --nnodes > 1 every host needs the same cluster token: set {TOKEN_ENV} or give --token-file "
+                "(the same file's contents on every host); it never travels through the rendezvous"
+            )
+        if args.tls:
+            raise ConfigError(
+                "--tls makes a certificate for one host's run; with --nnodes > 1 give every host the same files "
+                "through POSEIDON_TLS_CERT, POSEIDON_TLS_KEY and POSEIDON_TLS_CA"
+            )
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if args.token_file:
         env[TOKEN_FILE_ENV] = os.path.abspath(args.token_file)
@@ -363,20 +387,24 @@ def _run(args: argparse.Namespace) -> int:
         env["POSEIDON_TRACE"] = os.path.abspath(args.trace)
     env["POSEIDON_ERRORS"] = "full" if args.debug else "brief"
     os.environ.update(env)
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", args.master_port or 0))
-        except OSError as exc:
-            raise ConfigError(
-                f"--master-port {args.master_port} cannot be used here ({exc.strerror}): another job may hold it; "
-                "give another port, or leave --master-port out for a free one"
-            ) from None
-        port = s.getsockname()[1]
+    master = args.master_addr or "127.0.0.1"
+    port = args.master_port
+    if args.node_rank == 0:  # this host's agent hosts the store: a port in use fails here, in one line
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1" if hosts == 1 else "", port or 0))
+            except OSError as exc:
+                raise ConfigError(
+                    f"--master-port {port} cannot be used here ({exc.strerror}): another job may hold it; "
+                    "give another port, or leave --master-port out for a free one"
+                ) from None
+            port = s.getsockname()[1]
     torch_args = get_args_parser().parse_args(
         [
             f"--nproc-per-node={args.nproc}",
-            "--nnodes=1",
-            "--master-addr=127.0.0.1",
+            f"--nnodes={hosts}",
+            f"--node-rank={args.node_rank}",
+            f"--master-addr={master}",
             f"--master-port={port}",
             args.script,
             *args.script_args,
@@ -459,9 +487,14 @@ def main(argv=None) -> int:
     )
     explain.add_argument("--json", action="store_true")
     explain.set_defaults(func=_explain)
-    runner = sub.add_parser("run", help="start N local workers of a script (a thin wrapper over torchrun)")
-    runner.add_argument("-n", "--nproc", type=int, required=True)
-    runner.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
+    runner = sub.add_parser("run", help="start N workers of a script on this host (a thin wrapper over torchrun)")
+    runner.add_argument("-n", "--nproc", type=int, required=True, help="workers on this host")
+    runner.add_argument("--nnodes", type=int, default=1, help="hosts in the job, each started alike (default 1)")
+    runner.add_argument("--node-rank", type=int, default=0, help="this host's index, 0 .. nnodes-1 (default 0)")
+    runner.add_argument("--master-addr", help="host 0's address, where the rendezvous is (with --nnodes > 1)")
+    runner.add_argument(
+        "--master-port", type=int, help="rendezvous port (default: a free one; with --nnodes > 1, required)"
+    )
     runner.add_argument(
         "--token-file", help="file holding the cluster token (default: $POSEIDON_TOKEN, else a fresh one)"
     )

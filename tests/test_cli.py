@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -183,3 +184,51 @@ def test_sigterm_stops_every_rank_quietly_with_one_line_each():
         "poseidon_aio rank 0: stopped by SIGTERM",
         "poseidon_aio rank 1: stopped by SIGTERM",
     ], err[-3000:]
+
+
+def _hosts_job(commands: list, env: dict) -> list:
+    """Start one launcher per emulated host (all on loopback), wait for all; the ranks' lines."""
+    jobs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        for cmd in commands
+    ]
+    outs = []
+    for job in jobs:
+        try:
+            out, err = job.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for j in jobs:
+                j.kill()
+            raise
+        assert job.returncode == 0, out[-2000:] + err[-3000:]
+        outs += re.findall(r"rank \d+ hosts \[.*?\]\] digest [0-9a-f]{16}", out)
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["poseidon-aio run", "torchrun c10d"])
+def test_a_job_over_two_hosts_starts_from_each_host_and_agrees(launcher):
+    # 2 hosts x 2 workers, each host's launcher started on its own (here both on loopback): the
+    # topology reaches every rank, and SFB and all-reduce between the hosts leave every replica equal.
+    from .support.cluster import JOB_TOKEN, free_port
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "POSEIDON_TOKEN": JOB_TOKEN, "OMP_NUM_THREADS": "1"}
+    port = free_port()
+    if launcher == "poseidon-aio run":
+        commands = [
+            [sys.executable, "-m", "poseidon_aio.cli", "run", "--nnodes", "2", "--node-rank", str(i)]
+            + ["--master-addr", "127.0.0.1", "--master-port", str(port), "-n", "2", "tests/data/hosts_job.py"]
+            for i in range(2)
+        ]
+    else:
+        commands = [
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
+            + ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hosts-test"]
+            + ["tests/data/hosts_job.py"]
+            for _ in range(2)
+        ]
+    lines = _hosts_job(commands, env)
+    assert len(lines) == 4, lines
+    hosts = {line.split(" hosts ")[1].split(" digest ")[0] for line in lines}
+    digests = {line.split(" digest ")[1] for line in lines}
+    assert hosts == {"[[0, 1], [2, 3]]"} and len(digests) == 1, lines
