@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Optional
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -90,6 +91,7 @@ def _explain(args: argparse.Namespace) -> int:
     import json
 
     from .plan.cost import (
+        Hosts,
         Link,
         LayerShape,
         Scheme,
@@ -128,9 +130,39 @@ def _explain(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"explain: {exc}", file=sys.stderr)
         return 2
+    hosts = None
+    if args.hosts is not None or args.local is not None:
+        try:
+            hosts = Hosts(args.hosts or 1, args.local or 1)
+        except ValueError as exc:
+            print(f"explain: {exc}", file=sys.stderr)
+            return 2
+        args.workers = hosts.workers
     if args.compression:
         return _explain_compression(args, candidates, link)
     servers = args.servers or args.workers
+
+    def sfb_up_to(layer, on_hosts) -> Optional[int]:
+        """The largest K (up to 65 536) at which HybComm still sends ``layer`` by SFB."""
+        if layer.kind != "fc" or Scheme.SFB not in candidates:
+            return None
+
+        def sfb(k: int) -> bool:
+            choice = hybcomm_choice(
+                layer.with_rows(k), args.workers, servers, link=link, candidates=candidates, hosts=on_hosts
+            )
+            return choice is Scheme.SFB
+
+        if not sfb(1):
+            return 0
+        lo, hi = 1, 1 << 16
+        if sfb(hi):
+            return hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if sfb(mid) else (lo, mid)
+        return lo
+
     keys = (
         "ps_worker",
         "ps_combined",
@@ -147,7 +179,7 @@ def _explain(args: argparse.Namespace) -> int:
     for layer in layers:
         cost = layer_cost(layer, args.workers, servers)
         choice = best_scheme(layer, args.workers, servers)
-        hybrid = hybcomm_choice(layer, args.workers, servers, link=link, candidates=candidates)
+        hybrid = hybcomm_choice(layer, args.workers, servers, link=link, candidates=candidates, hosts=hosts)
         floats = {
             Scheme.PS: cost.ps_combined,
             Scheme.SFB: cost.sfb,
@@ -169,11 +201,17 @@ def _explain(args: argparse.Namespace) -> int:
             "chosen": floats[choice],
             "hybcomm": hybrid.value,
             "hybcomm_floats": floats[hybrid],
-            "predicted_s": {c.value: predicted_time(layer, c, args.workers, servers, link) for c in candidates},
+            "predicted_s": {
+                c.value: predicted_time(layer, c, args.workers, servers, link, hosts=hosts) for c in candidates
+            },
             "cluster_ps": cost.cluster_ps,
             "cluster_sfb": cost.cluster_sfb if fc else None,
             "cluster_adam": cost.cluster_adam if fc else None,
         }
+        if hosts is not None:  # the same job with every worker a peer of its own, beside it
+            row["hybcomm_flat"] = hybcomm_choice(layer, args.workers, servers, link=link, candidates=candidates).value
+            row["sfb_up_to_k"] = sfb_up_to(layer, hosts)
+            row["sfb_up_to_k_flat"] = sfb_up_to(layer, None)
         rows.append(row)
         for key in totals:
             value = (
@@ -185,6 +223,8 @@ def _explain(args: argparse.Namespace) -> int:
     if args.json:
         out = {
             "workers": args.workers,
+            "hosts": hosts.hosts if hosts else None,
+            "local": hosts.local if hosts else None,
             "servers": servers,
             "batch": args.batch,
             "alpha_s": link.alpha,
@@ -235,6 +275,19 @@ def _explain(args: argparse.Namespace) -> int:
         f"hybcomm: the least predicted time among {', '.join(c.value for c in candidates)} on {what}; "
         "ties go to the paper's choice"
     )
+    if hosts is not None:
+        print(
+            f"\n{hosts.hosts} hosts of {hosts.local} workers: times on a host's link (all-reduce and SFB by host, "
+            "the others' flows sharing it), beside the same job flat; SFB up to K: the largest batch rows "
+            "a worker at which HybComm still sends the layer by SFB"
+        )
+        print(f"{'layer':<24} {'hybcomm':<10} {'flat':<10} {'SFB up to K':>12} {'flat':>8}")
+        for r in rows:
+            up, flat = r["sfb_up_to_k"], r["sfb_up_to_k_flat"]
+            print(
+                f"{r['name'][:24]:<24} {r['hybcomm']:<10} {r['hybcomm_flat']:<10} "
+                f"{'-' if up is None else up:>12} {'-' if flat is None else flat:>8}"
+            )
     return 0
 
 
@@ -462,6 +515,8 @@ def main(argv=None) -> int:
         "--fc", action="append", metavar="MxN", help="a fully-connected layer (outputs x inputs); repeatable"
     )
     explain.add_argument("--workers", type=int, default=8)
+    explain.add_argument("--hosts", type=int, help="P_h hosts of --local workers each (sets --workers)")
+    explain.add_argument("--local", type=int, help="L workers a host (with --hosts; default 1)")
     explain.add_argument("--servers", type=int, help="parameter-server shards (default: one per worker)")
     explain.add_argument("--batch", type=int, default=32, help="K, rows per worker")
     explain.add_argument(

@@ -270,3 +270,56 @@ def test_a_trainer_under_torchrun_multi_node_knows_its_hosts_and_stays_exact():
         hosts = sum(res[r][label]["bytes"][scheme] for r in range(workers))
         flat = sum(res[r][flat_label]["bytes"][scheme] for r in range(workers))
         assert abs(hosts / flat - 1 / 3) < 0.01, (scheme, hosts, flat)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    hosts=st.integers(2, 8),
+    local=st.integers(2, 8),
+    m=st.integers(1, 4096),
+    n=st.integers(1, 4096),
+    k=st.integers(1, 256),
+    gbit=st.sampled_from([0.1, 1.0, 10.0]),
+)
+def test_the_cost_model_charges_the_network_by_hosts(hosts, local, m, n, k, gbit):
+    # Bytes only on the host's link (the link inside a host free): the hierarchical all-reduce
+    # is a ring's over P_h hosts, SFB's stacks K L (M + N) (P_h - 1), and a flat scheme's L
+    # workers' flows share the link, L times one worker's time.
+    from poseidon_aio.plan.cost import Hosts, LayerShape, Link, Scheme, hybcomm_choice, predicted_time
+
+    layer = LayerShape("fc", "fc", m, n, rows=k)
+    link = Link.of_bandwidth(gbit * 1.25e8)
+    on = Hosts(hosts, local)
+    P, b = on.workers, 4 * m * n
+    t = {s: predicted_time(layer, s, P, P, link, hosts=on) for s in (Scheme.ALLREDUCE, Scheme.SFB, Scheme.PS)}
+    assert t[Scheme.ALLREDUCE] == pytest.approx(link.beta * 2 * b * (hosts - 1) / hosts)
+    assert t[Scheme.SFB] == pytest.approx(link.beta * 4 * k * local * (m + n) * (hosts - 1))
+    assert t[Scheme.PS] == pytest.approx(local * predicted_time(layer, Scheme.PS, P, P, link))
+    # SFB against the all-reduce breaks even at the same K as flat (both scale by 1/L on a
+    # host's link); against the flat PS, at (P - 1) / (P_h - 1) times the K: where flat SFB
+    # wins, SFB by host wins too.
+    flat = hybcomm_choice(layer, P, P, link=link, candidates=(Scheme.SFB, Scheme.ALLREDUCE))
+    assert hybcomm_choice(layer, P, P, link=link, candidates=(Scheme.SFB, Scheme.ALLREDUCE), hosts=on) is flat
+    if hybcomm_choice(layer, P, P, link=link, candidates=(Scheme.SFB, Scheme.PS)) is Scheme.SFB:
+        assert hybcomm_choice(layer, P, P, link=link, candidates=(Scheme.SFB, Scheme.PS), hosts=on) is Scheme.SFB
+
+
+def test_explain_shows_where_sfb_stops_paying_by_host_and_flat():
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "poseidon_aio.cli", "explain", "--fc", "4096x4096", "--hosts", "2", "--local", "4"]
+        + ["--batch", "32", "--bandwidth", "1gbit", "--schemes", "ps,sfb", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    got = json.loads(out.stdout)
+    row = got["layers"][0]
+    assert (got["workers"], got["hosts"], got["local"]) == (8, 2, 4)
+    # Against the flat PS, SFB by host pays up to (P - 1) / (P_h - 1) = 7 times the batch rows
+    # it does flat.
+    assert row["hybcomm"] == row["hybcomm_flat"] == "sfb"
+    assert row["sfb_up_to_k"] / row["sfb_up_to_k_flat"] == pytest.approx(7, rel=0.01), row

@@ -28,6 +28,14 @@ link, ``messages x alpha + bytes each way x beta``, with the PS's bytes on the b
 the shards the layer's keys actually occupy; the least wins, a tie goes to Algorithm 1's choice,
 so with the paper's assumptions (a layer spread over every shard, bytes only) the paper's cases
 come out as the paper says. Pure functions: no torch, no I/O.
+
+Hosts of several workers (:class:`Hosts`, P_h hosts of L workers): the busiest link is a host's,
+which its L workers share. The all-reduce and SFB go by host (``sync.hierarchical``): the
+all-reduce's network term is a ring's over P_h hosts, ``2b (P_h - 1) / P_h`` each way, and SFB's
+``K L (M + N) (P_h - 1)`` floats each way (the per-host K·L in its break-even), each plus a term
+inside the host on the host's own link (reduce-scatter and all-gather among L; every other
+local rank's factors). The schemes that stay flat (PS, rows, the lossy ones) put L workers' flows
+on the host's link: their beta counts L times.
 """
 
 from __future__ import annotations
@@ -203,6 +211,33 @@ class Link:
         return cls(alpha, 1.0 / bytes_per_s)
 
 
+@dataclass(frozen=True)
+class Hosts:
+    """The job's hosts as the cost model counts them: ``hosts`` (P_h) of ``local`` (L) workers
+    each, and ``inside``, the link between two workers of one host (loopback or shared memory:
+    ``Link(0, 0)`` counts it free).
+
+    >>> Hosts(2, 4).shared(Link(0.0, 1e-8)).beta
+    4e-08
+    """
+
+    hosts: int
+    local: int
+    inside: Link = Link(0.0, 0.0)
+
+    def __post_init__(self) -> None:
+        if self.hosts < 1 or self.local < 1:
+            raise ConfigError(f"Hosts needs at least one host of one worker, got {self.hosts} x {self.local}")
+
+    @property
+    def workers(self) -> int:
+        return self.hosts * self.local
+
+    def shared(self, link: Link) -> Link:
+        """``link`` as one of L workers' flat flows sees the host's link it shares."""
+        return Link(link.alpha, link.beta * self.local, link.flop)
+
+
 def predicted_time(
     layer: LayerShape,
     scheme: Scheme,
@@ -212,6 +247,7 @@ def predicted_time(
     *,
     chunk_bytes: int = 2 << 20,
     itemsize: int = 4,
+    hosts: Optional[Hosts] = None,
 ) -> float:
     """Seconds ``scheme`` takes to sync ``layer`` on the busiest worker link (inf if it cannot).
 
@@ -224,10 +260,13 @@ def predicted_time(
     round, ``K (M + N) (P - 1)`` floats each way. Rows (an embedding): one round, each worker's K
     touched rows of N floats and their K indices to every peer, ``K (N + 1) (P - 1)`` each way.
     With ``link.flop``, an FC layer's weight gradient counts too: ``2 K M N`` FLOPs in autograd
-    for PS and all-reduce, ``2 P K M N`` in SFB's rebuild.
+    for PS and all-reduce, ``2 P K M N`` in SFB's rebuild. With ``hosts`` of several workers,
+    see the module's text.
     """
     if workers < 2:
         return 0.0
+    if hosts is not None and hosts.local > 1:
+        return _by_host(layer, scheme, workers, servers, link, chunk_bytes, itemsize, hosts)
     p1, p2 = workers, servers
     b = layer.params * itemsize
     # The weight gradient: autograd's from K rows for a gradient scheme, the rebuild from P K
@@ -248,6 +287,27 @@ def predicted_time(
         # float32 rows and uint32 indices, whatever ``itemsize``: the scheme takes float32 only.
         return link.alpha + link.beta * 4 * min(layer.rows, layer.m) * (layer.n + 1) * (p1 - 1)
     raise ConfigError(f"no time model for scheme {scheme.value!r}")
+
+
+def _by_host(layer, scheme, workers, servers, link, chunk_bytes, itemsize, hosts: Hosts) -> float:
+    """:func:`predicted_time` where each host runs ``hosts.local`` workers."""
+    if workers != hosts.workers:
+        raise ConfigError(f"{workers} workers on {hosts.hosts} hosts of {hosts.local}")
+    H, L, inside = hosts.hosts, hosts.local, hosts.inside
+    b = layer.params * itemsize
+    gemm = 2.0 * layer.rows * layer.m * layer.n * link.flop if layer.kind is LayerKind.FC else 0.0
+    if scheme is Scheme.ALLREDUCE:
+        across = 2 * link.alpha + link.beta * 2 * b * (H - 1) / H if H > 1 else 0.0
+        return across + 2 * inside.alpha + inside.beta * 2 * b * (L - 1) / L + gemm
+    if scheme is Scheme.SFB:
+        if layer.kind is not LayerKind.FC or not layer.rows:
+            return float("inf")
+        rows = itemsize * layer.rows * (layer.m + layer.n)
+        across = link.alpha + link.beta * rows * L * (H - 1) if H > 1 else 0.0
+        return across + 2 * inside.alpha + inside.beta * rows * (L - 1) * H + workers * gemm
+    return predicted_time(
+        layer, scheme, workers, servers, hosts.shared(link), chunk_bytes=chunk_bytes, itemsize=itemsize
+    )
 
 
 # The smallest slice (bytes per rank) that the ``auto`` all-reduce sends round a ring: from here
@@ -279,6 +339,7 @@ def hybcomm_choice(
     link: Link = Link(),
     candidates=HYBCOMM_SCHEMES,
     chunk_bytes: int = 2 << 20,
+    hosts: Optional[Hosts] = None,
 ) -> Scheme:
     """The candidate with the least :func:`predicted_time`; a tie goes to Algorithm 1's choice.
 
@@ -290,7 +351,9 @@ def hybcomm_choice(
     <Scheme.PS: 'ps'>
     """
     paper = best_scheme(layer, workers, servers)
-    times = {c: predicted_time(layer, c, workers, servers, link, chunk_bytes=chunk_bytes) for c in candidates}
+    times = {
+        c: predicted_time(layer, c, workers, servers, link, chunk_bytes=chunk_bytes, hosts=hosts) for c in candidates
+    }
     best = min(times.values())
     if paper in times and times[paper] <= best:
         return paper

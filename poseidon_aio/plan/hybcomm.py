@@ -15,6 +15,7 @@ from ..errors import ConfigError
 from .cost import (
     HYBCOMM_SCHEMES,
     LOSSY_SCHEMES,
+    Hosts,
     PAPER_SCHEMES,
     LayerKind,
     LayerShape,
@@ -65,6 +66,7 @@ def choose_schemes(
     chunk_bytes: int = 2 << 20,
     compression=None,
     report: Optional[dict] = None,
+    hosts: Optional[Hosts] = None,
 ) -> dict:
     """``{layer name: Scheme}``.
 
@@ -78,6 +80,8 @@ def choose_schemes(
         compression: a :class:`~poseidon_aio.plan.lossy.LossyPlanner`: in mode ``poseidon``
             each layer's exact choice is then weighed against the lossy schemes (its rule).
         report: filled with ``{layer name: Weighing}`` (candidates, predicted times, choice).
+        hosts: the job's :class:`~poseidon_aio.plan.cost.Hosts` where they run several workers
+            each: the candidates' times are then the host's link's (``predicted_time``).
     Raises:
         ConfigError: an override names a scheme the layer cannot use, a layer the model does not
             have, or a scheme the mode does not use.
@@ -123,12 +127,13 @@ def choose_schemes(
                 link=link,
                 candidates=usable,
                 chunk_bytes=chunk_bytes,
+                hosts=hosts,
             )
         else:
             scheme = Scheme.PS
         if want is None and compression is not None and mode is Mode.POSEIDON and workers > 1:
             weighing = compression.weigh(
-                layer, rows.get(layer.name, 0), scheme, candidates, workers, shards, link, chunk_bytes
+                layer, rows.get(layer.name, 0), scheme, candidates, workers, shards, link, chunk_bytes, hosts
             )
             scheme = weighing.choice
             if report is not None:

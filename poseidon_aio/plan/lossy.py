@@ -330,24 +330,32 @@ class LossyPlanner:
         shards: int,
         link: Link,
         chunk_bytes: int = 2 << 20,
+        hosts=None,
     ) -> Weighing:
         """Decide ``layer`` (a ``PlanLayer``) given the exact schemes' choice ``exact`` among
-        ``candidates`` (the rule in this module's docstring)."""
+        ``candidates`` (the rule in this module's docstring). ``hosts``: a
+        :class:`~poseidon_aio.plan.cost.Hosts` of several workers each; the lossy schemes stay
+        flat, their L workers' flows sharing the host's link."""
         times = {}
         shape = layer.shape.with_rows(rows)
         for c in candidates:
             if Scheme(c).captures_factors and not (layer.factorable and rows):
                 continue
-            times[Scheme(c).value] = predicted_time(shape, Scheme(c), workers, shards, link, chunk_bytes=chunk_bytes)
+            times[Scheme(c).value] = predicted_time(
+                shape, Scheme(c), workers, shards, link, chunk_bytes=chunk_bytes, hosts=hosts
+            )
         exact_t = times.get(exact.value)
         if exact_t is None:
-            exact_t = times[exact.value] = predicted_time(shape, exact, workers, shards, link, chunk_bytes=chunk_bytes)
+            exact_t = times[exact.value] = predicted_time(
+                shape, exact, workers, shards, link, chunk_bytes=chunk_bytes, hosts=hosts
+            )
+        flat = hosts.shared(link) if hosts is not None and hosts.local > 1 else link
         lossy, reasons = {}, {}
         for scheme in self.config.schemes:
             why = unsuited(layer, scheme, self.config)
             if why is None:
                 lossy[scheme] = times[scheme.value] = lossy_time(
-                    layer, scheme, workers, link, self.config, self.costs, rows
+                    layer, scheme, workers, flat, self.config, self.costs, rows
                 )
             else:
                 reasons[scheme] = why

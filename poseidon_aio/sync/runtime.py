@@ -33,14 +33,24 @@ _CALIBRATION_CLOCK = 1 << 61
 
 
 async def calibrate(
-    rank: int, world: int, peers: Mapping[int, object], sizes: Sequence[int], timeout: float, cpu: Optional[list] = None
+    rank: int,
+    world: int,
+    peers: Mapping[int, object],
+    sizes: Sequence[int],
+    timeout: float,
+    cpu: Optional[list] = None,
+    ring: Optional[Sequence[int]] = None,
 ) -> list:
     """Round trips around the ring of ranks shaped like a PS sync (a PUSH out, an AGGREGATE of
     the same size back), three per size, while the links are idle: ``[(bytes, seconds)]``.
 
     ``cpu``: where given, gets ``(bytes, seconds)`` of this thread's (the event loop's) CPU for
-    each round trip, which moves its size through this loop four times (out, in, out, in)."""
-    nxt, prv = peers[(rank + 1) % world], peers[(rank - 1) % world]
+    each round trip, which moves its size through this loop four times (out, in, out, in).
+    ``ring``: the ranks in ring order, this one among them (default: every rank): one rank of
+    each host measures the links between hosts, a host's ranks the link inside it."""
+    ring = list(ring) if ring is not None else list(range(world))
+    at = ring.index(rank)
+    nxt, prv = peers[ring[(at + 1) % len(ring)]], peers[ring[(at - 1) % len(ring)]]
     samples = []
     for i, size in enumerate(sizes):
         payload = np.zeros(size, dtype=np.uint8)

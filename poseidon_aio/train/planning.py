@@ -18,7 +18,7 @@ from ..cluster.book import spread_bytes_for
 from ..cluster.job import Job
 from ..errors import CheckpointError
 from ..ps import PSNode
-from ..plan import Link, MergeKind, Mode, Scheme, choose_schemes, link_of
+from ..plan import Hosts, Link, MergeKind, Mode, Scheme, choose_schemes, link_of
 from ..sync import Feedback, Merging, SyncContext, syncer_class
 from ..sync.runtime import calibrate, loop_cpu_per_byte
 from . import compression as lossy
@@ -69,12 +69,34 @@ class Planning:
         self.node: Optional[PSNode] = None
         self.server_owned: set = set()  # manifest indices whose values the shards' SGD sends
         self.generation = 0  # syncers built so far, less one: names the parameter server's scope
-        self.calibration: list = []
+        self.calibration: list = []  # round trips on the links between hosts (between workers, flat)
+        self.inside_calibration: list = []  # round trips inside a host, where hosts run several workers
         self.loop_cpu_per_byte = 0.0  # the event loop's CPU per byte in or out, measured at start
         self.compression_plan: dict = {}  # {layer name: Weighing}
         self._kernel_flop = 0.0  # seconds per FLOP of the sufficient-factor kernel, measured at start
         self._link: Optional[Link] = None  # rank 0's alpha and beta, once agreed
+        self._inside: Optional[Link] = None  # rank 0's host's inside link, once agreed
         self._shard_bytes_seen = 0
+
+    @property
+    def hosts_topology(self):
+        """The job's topology where its hosts run several workers and the trainer goes by host
+        (``Trainer(hosts="launcher")``); else ``None``: every worker a peer of its own."""
+        topo = self.job.topology
+        return topo if self.settings.hosts == "launcher" and topo.local_size > 1 else None
+
+    async def agreed_hosts(self) -> Optional[Hosts]:
+        """The cost model's :class:`Hosts` (rank 0's host's inside link), or ``None`` where flat."""
+        topo = self.hosts_topology
+        if topo is None:
+            return None
+        if self._inside is None:
+            if self.rank == 0:
+                link = link_of(self.inside_calibration, 0.0)
+                await self.job.rendezvous.publish("hosts-link", json.dumps([link.alpha, link.beta]))
+            alpha, beta = json.loads(await self.job.rendezvous.read("hosts-link", who="rank 0"))
+            self._inside = Link(alpha, beta)
+        return Hosts(len(topo.hosts), topo.local_size, self._inside)
 
     async def calibrate(self) -> None:
         """Measure the links (alpha, beta, the loop's CPU per byte) and the SF kernel, while the
@@ -82,9 +104,26 @@ class Planning:
         s = self.settings
         if self.world > 1 and (s.merge.planned or s.mode is Mode.POSEIDON):
             cpu: list = []
-            self.calibration = await calibrate(
-                self.rank, self.world, self.job.peers, s.merge.calibration_sizes, s.ps.sync_timeout, cpu
-            )
+            topo = self.hosts_topology
+            # Where hosts run several workers, the link between hosts is measured by local rank
+            # j of every host round the hosts, and the link inside a host round its ranks.
+            across = [h[topo.local_rank_of(self.rank)] for h in topo.hosts] if topo is not None else None
+            if across is None or len(across) > 1:
+                self.calibration = await calibrate(
+                    self.rank, self.world, self.job.peers, s.merge.calibration_sizes, s.ps.sync_timeout, cpu, across
+                )
+            if topo is not None:
+                self.inside_calibration = await calibrate(
+                    self.rank,
+                    self.world,
+                    self.job.peers,
+                    s.merge.calibration_sizes,
+                    s.ps.sync_timeout,
+                    None if across is None or len(across) > 1 else cpu,
+                    topo.local_peers(self.rank),
+                )
+                if len(across) == 1:  # one host: its inside link is the only one
+                    self.calibration = self.inside_calibration
             self.loop_cpu_per_byte = loop_cpu_per_byte(cpu)
         if self.world > 1 and s.mode is Mode.POSEIDON:
             loop = asyncio.get_running_loop()
@@ -120,6 +159,7 @@ class Planning:
                 chunk_bytes=s.ps.chunk_bytes,
                 compression=planner,
                 report=self.compression_plan,
+                hosts=await self.agreed_hosts() if s.mode is Mode.POSEIDON and self.world > 1 else None,
             )
             if self.compression_plan:
                 log.info("rank %d: lossy plan\n%s", self.rank, lossy.describe(self.compression_plan))
@@ -186,7 +226,7 @@ class Planning:
             allreduce=s.allreduce.algorithm,
             compression=s.compression,
             feedback=self.feedback,
-            topology=self.job.topology if s.hosts == "launcher" else None,
+            topology=self.hosts_topology,
         )
         syncers = {scheme: syncer_class(scheme).build(ctx) for scheme in self.plan.used()}
         if s.merge.kind is not MergeKind.NONE:
