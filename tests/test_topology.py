@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 
 import pytest
 import torch.distributed  # noqa: F401 - as in a trainer; the rendezvous deadline starts after it
@@ -323,3 +324,25 @@ def test_explain_shows_where_sfb_stops_paying_by_host_and_flat():
     # it does flat.
     assert row["hybcomm"] == row["hybcomm_flat"] == "sfb"
     assert row["sfb_up_to_k"] / row["sfb_up_to_k_flat"] == pytest.approx(7, rel=0.01), row
+
+
+@pytest.mark.parametrize("scheme", ["allreduce", "sfb"])
+def test_a_local_worker_killed_ends_the_job_naming_its_host_and_local_rank(scheme):
+    # 2 hosts x 2 workers; rank 3 (host 1, local rank 1) dies by SIGKILL before its third step.
+    # Every survivor's step fails within the sync timeout with ConnectionLost, and the message
+    # names the dead rank's host and local rank: seen on its own link, or as the reason a peer
+    # that saw it gave before closing its links.
+    from .support.cluster import collect_all, start_workers
+    from .support.trainworkers import killed_worker
+
+    def launcher(rank: int) -> dict:
+        return {k: v for k, v in torchrun_env(rank, 2, 2).items() if k not in TORCHRUN}
+
+    procs, out = start_workers(4, killed_worker, 3, scheme, 6, env=launcher)
+    results, errors = collect_all(procs, out, timeout=120)
+    assert set(errors) == {3} and errors[3][0] == "died", errors
+    for rank in (0, 1, 2):
+        kind, message, took = results[rank]
+        assert kind == "ConnectionLost", (rank, kind, message)
+        assert "rank 3 (host 1 'vm', local rank 1)" in message.replace(socket.gethostname(), "vm"), (rank, message)
+        assert took < 30.0 and "\n" not in message, (rank, took)

@@ -5,6 +5,11 @@ instead of waiting out the sync timeout for gradients that will never come.
 The same message ends the job cleanly: each rank sends it after its last step's syncs are over and
 closes its links once every peer has sent it too (or is gone), so no rank closes a link a peer
 still reads a step from.
+
+A rank whose step failed says why before it closes its links (``FAILED_KEY``): a peer whose sync
+then breaks on that closed link fails with that reason, the root cause (a worker killed on
+another host, its host and local rank named), not with "closed the connection". A link carries
+frames in order, so the reason is in before the close is seen.
 """
 
 from __future__ import annotations
@@ -13,12 +18,15 @@ import asyncio
 import json
 from typing import Awaitable, Callable, Mapping, Optional, TypeVar
 
-from ..errors import WorkerLeft
+from ..errors import ConnectionLost, WorkerLeft
 from ..wire import DType, Kind
 
 T = TypeVar("T")
 
 FINISHED_KEY = 1  # the CONTROL frame key of "I have finished" (clock 0)
+FAILED_KEY = 2  # the CONTROL frame key of "my step failed, and why" (clock 0)
+# A reason is one line for a person to read; a peer's longer one is cut.
+_REASON_MAX = 600
 
 
 class Departures:
@@ -37,9 +45,14 @@ class Departures:
         self.gone: set = set()  # ranks whose link ended without saying
         self._any = asyncio.get_running_loop().create_future()  # set once some peer has finished
         self._listeners: list = []
+        self.stopped: dict = {}  # rank -> why its step failed, as it said
+        self.failure: Optional[BaseException] = None  # this rank's first failed sync
         self._heard = {q: conn.expect(Kind.CONTROL, FINISHED_KEY, 0) for q, conn in self.peers.items()}
         for q, fut in self._heard.items():
             fut.add_done_callback(lambda f, q=q: self._on_heard(q, f))
+        self._reasons = {q: conn.expect(Kind.CONTROL, FAILED_KEY, 0) for q, conn in self.peers.items()}
+        for q, fut in self._reasons.items():
+            fut.add_done_callback(lambda f, q=q: self._on_reason(q, f))
 
     def _on_heard(self, q: int, fut: asyncio.Future) -> None:
         if fut.cancelled():
@@ -60,6 +73,17 @@ class Departures:
             self._any.set_result(None)
         for listener in list(self._listeners):
             listener(q)
+
+    def _on_reason(self, q: int, fut: asyncio.Future) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        try:
+            text = json.loads(bytes(fut.result().payload))["error"]
+            if not isinstance(text, str):
+                raise ValueError(text)
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            text = "its step failed (it sent an unreadable reason)"
+        self.stopped[q] = text[:_REASON_MAX].replace("\n", " ")
 
     def listen(self, listener: Callable[[int], None]) -> Callable[[], None]:
         """Call ``listener(rank)`` for every peer that has finished and every one that will;
@@ -101,9 +125,43 @@ class Departures:
         except asyncio.CancelledError:
             task.cancel()
             raise
+        except ConnectionLost as lost:
+            exc = self._root_cause(lost)
+            if self.failure is None:
+                self.failure = exc
+            if exc is lost:
+                raise
+            raise exc from lost
+        except Exception as error:
+            if self.failure is None:
+                self.failure = error
+            raise
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         raise exc
+
+    def _root_cause(self, lost: ConnectionLost) -> ConnectionLost:
+        """``lost``, or where a peer said its step had failed first, that peer's reason."""
+        if not self.stopped:
+            return lost
+        q = min(self.stopped)
+        who = f"rank {q}{getattr(self.peers[q], 'peer_host', '')}"
+        return ConnectionLost(f"rank {self.rank}: {who} stopped: {self.stopped[q]}")
+
+    async def fail(self, timeout: float) -> None:
+        """Tell every peer why this rank's step failed (:attr:`failure`), before its links
+        close; best effort, at most ``timeout`` seconds."""
+        if self.failure is None:
+            return
+        text = f"{type(self.failure).__name__}: {self.failure}"[:_REASON_MAX]
+        body = json.dumps({"error": text}).encode()
+        sends = [
+            conn.send(Kind.CONTROL, body, key=FAILED_KEY, clock=0, dtype=DType.JSON)
+            for q, conn in self.peers.items()
+            if q not in self.gone and conn.is_open
+        ]
+        if sends:
+            await asyncio.wait([asyncio.ensure_future(s) for s in sends], timeout=timeout)
 
     async def finish(self, steps: int, timeout: float) -> None:
         """Tell every peer this rank has finished after ``steps`` steps, and return once every
@@ -119,5 +177,5 @@ class Departures:
             await asyncio.wait(waits, timeout=timeout)
 
     def close(self) -> None:
-        for fut in self._heard.values():
+        for fut in (*self._heard.values(), *self._reasons.values()):
             fut.cancel()

@@ -60,7 +60,9 @@ class Job:
         try:
             await rendezvous.check_manifest(manifest)
             topology = await rendezvous.check_topology()
-            mesh = await Mesh.start(rendezvous.scoped("mesh"), net, timeout=timeout, process_shaper=shaper)
+            mesh = await Mesh.start(
+                rendezvous.scoped("mesh"), net, timeout=timeout, process_shaper=shaper, topology=topology
+            )
         except BaseException as exc:
             await rendezvous.abort(exc)
             if owned:

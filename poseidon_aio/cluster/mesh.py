@@ -31,7 +31,9 @@ class Mesh:
         self._listener: Optional[Listener] = None
 
     @classmethod
-    async def start(cls, rdzv: Rendezvous, net: NetConfig, *, timeout: float = 60.0, process_shaper=None) -> "Mesh":
+    async def start(
+        cls, rdzv: Rendezvous, net: NetConfig, *, timeout: float = 60.0, process_shaper=None, topology=None
+    ) -> "Mesh":
         """Listen, publish this rank's address, dial every lower rank, wait for every higher one.
 
         Args:
@@ -39,6 +41,9 @@ class Mesh:
             net: connection settings; every rank needs the same ``token``.
             timeout: seconds to wait for every higher rank to dial in.
             process_shaper: a :class:`~poseidon_aio.net.Shaper` shared by the process's connections.
+            topology: the job's hosts (:class:`~poseidon_aio.cluster.topology.Topology`): where
+                they run several workers, every connection's messages name the peer's host and
+                local rank.
         Returns:
             The mesh, with a connection to every other rank in ``peers``.
         Raises:
@@ -59,6 +64,10 @@ class Mesh:
             await rdzv.abort(exc)
             await self.close()
             raise
+        if topology is not None and topology.local_size > 1:
+            for rank, conn in self.peers.items():
+                host = topology.host_of(rank)
+                conn.peer_host = f" ({topology.describe(host)}, local rank {topology.local_rank_of(rank)})"
         return self
 
     async def _join(self, rdzv: Rendezvous, net: NetConfig, timeout: float, process_shaper) -> None:

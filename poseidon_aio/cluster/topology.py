@@ -149,9 +149,9 @@ class Topology:
         return self.hosts[self.host_of(rank)]
 
     def describe(self, host: int) -> str:
-        """``"host 1 ('node-b')"``, for messages."""
+        """``"host 1 'node-b'"``, for messages."""
         name = self.names[host] if self.names else ""
-        return f"host {host} ({name!r})" if name else f"host {host}"
+        return f"host {host} {name!r}" if name else f"host {host}"
 
     def to_json(self) -> list:
         return [list(h) for h in self.hosts]

@@ -138,7 +138,8 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
     @property
     def where(self) -> str:
         """Names the peer for error messages."""
-        return f"rank {self.peer_rank if self.peer_rank is not None else '?'} at {self.peer_address}"
+        rank = self.peer_rank if self.peer_rank is not None else "?"
+        return f"rank {rank}{self.peer_host} at {self.peer_address}"
 
     @property
     def claimed_rank(self) -> Optional[int]:

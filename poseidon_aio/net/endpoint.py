@@ -61,6 +61,9 @@ class Endpoint:
     def _init_endpoint(self, loop: asyncio.AbstractEventLoop, rank: int, inbox_high_water: int) -> None:
         self.rank = rank
         self.peer_rank: Optional[int] = None
+        #: Where the peer runs, for messages (``" (host 1 'node-b', local rank 1)"``), once the
+        #: job knows its hosts; empty where every worker is a host of its own.
+        self.peer_host = ""
         self._loop = loop
         self._exc: Optional[BaseException] = None
         self._closed = loop.create_future()

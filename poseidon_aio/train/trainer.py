@@ -277,6 +277,8 @@ class Trainer:
                 await self._departures.finish(self.clock, self.settings.ps.sync_timeout)
                 self._planning.count_shard_bytes(self.bytes_total)
         finally:
+            if failed:  # why, to every peer, before the links close
+                await self._departures.fail(self.settings.net.close_timeout)
             self._departures.close()
             self._dispatch.remove()
             await self.tracer.write(None if failed else self._job.peers, self.settings.ps.sync_timeout)

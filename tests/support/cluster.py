@@ -91,6 +91,15 @@ def start_workers(world: int, target, *args, port: int | None = None, env=None):
 
 
 def collect(procs, out, timeout: float = 90.0, expect_errors: bool = False) -> dict:
+    results, errors = collect_all(procs, out, timeout, tolerate=expect_errors)
+    if errors and not expect_errors:
+        rank = min(errors)
+        raise WorkerFailed(rank, *errors[rank])
+    return errors if expect_errors else results
+
+
+def collect_all(procs, out, timeout: float = 90.0, tolerate: bool = True) -> tuple:
+    """``(results, errors)`` by rank; a worker that died (``tolerate``) is an error ``("died", ...)``."""
     deadline = time.monotonic() + timeout
     results, errors = {}, {}
     try:
@@ -109,7 +118,7 @@ def collect(procs, out, timeout: float = 90.0, expect_errors: bool = False) -> d
                     for r, p in enumerate(procs)
                     if p.exitcode not in (None, 0) and r not in results and r not in errors
                 ]
-                if dead and not expect_errors:
+                if dead and not tolerate:
                     raise AssertionError(f"worker(s) {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
                 for r in dead:
                     errors[r] = ("died", f"exit code {procs[r].exitcode}", "")
@@ -121,10 +130,7 @@ def collect(procs, out, timeout: float = 90.0, expect_errors: bool = False) -> d
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    if errors and not expect_errors:
-        rank = min(errors)
-        raise WorkerFailed(rank, *errors[rank])
-    return errors if expect_errors else results
+    return results, errors
 
 
 def run_workers(world: int, target, *args, timeout: float = 90.0, **kwargs) -> dict:

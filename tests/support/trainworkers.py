@@ -554,3 +554,38 @@ def checkpoint_worker(rank: int, runs: list, seed: int, steps: int):
         return out
 
     return poseidon_aio.run(main())
+
+
+def killed_worker(rank: int, victim: int, scheme: str, steps: int):
+    """Train a small MLP with every layer by ``scheme``; rank ``victim`` kills itself with SIGKILL
+    before its step 2 (as ``kill -9`` from outside would). Returns the survivor's error type and
+    message, and the seconds from its failed step's start to the error."""
+    import os
+    import signal
+    import time
+
+    import poseidon_aio
+    from poseidon_aio.ps import PSConfig
+
+    torch.set_num_threads(1)
+    spec = {"kind": "mlp", "inputs": 12, "hidden": [16], "classes": 3}
+
+    async def main():
+        model = build_model(spec, 0)
+        schemes = {n: scheme for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        trainer = poseidon_aio.Trainer(
+            model, make_optimizer(model), nn.functional.cross_entropy, schemes=schemes, ps=PSConfig(sync_timeout=30.0)
+        )
+        started = time.monotonic()
+        try:  # as a script would: the error leaves the `async with`, which closes the trainer failed
+            async with trainer:
+                for t in range(steps):
+                    if t == 2 and rank == victim:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    started = time.monotonic()
+                    await trainer.step(batch(spec, 0, rank, t, 4))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return type(exc).__name__, str(exc), time.monotonic() - started
+        return "ok", "", 0.0
+
+    return poseidon_aio.run(main())
