@@ -232,3 +232,41 @@ def test_a_job_over_two_hosts_starts_from_each_host_and_agrees(launcher):
     hosts = {line.split(" hosts ")[1].split(" digest ")[0] for line in lines}
     digests = {line.split(" digest ")[1] for line in lines}
     assert hosts == {"[[0, 1], [2, 3]]"} and len(digests) == 1, lines
+
+
+@pytest.mark.slow
+def test_the_slurm_example_starts_one_torchrun_a_host(tmp_path):
+    # examples/slurm.sbatch under stand-ins for srun (one task a node, all on this machine, each
+    # with its own SLURM_NODEID) and scontrol: 2 hosts x 2 workers agree, as with torchrun.
+    from .support.cluster import JOB_TOKEN, free_port
+
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\necho 127.0.0.1\n")
+    (shims / "srun").write_text(
+        "#!/bin/bash\n"
+        "while [[ $1 == --* ]]; do shift; done\n"
+        "pids=()\n"
+        'for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" & pids+=($!); done\n'
+        'rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done; exit $rc\n'
+    )
+    for shim in shims.iterdir():
+        shim.chmod(0o755)
+    token = tmp_path / "token"
+    token.write_text(JOB_TOKEN)
+    token.chmod(0o600)
+    env = {
+        **os.environ,
+        "PATH": f"{shims}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "node[0-1]",
+        "MASTER_PORT": str(free_port()),
+        "NPROC": "2",
+        "POSEIDON_TOKEN_FILE": str(token),
+    }
+    env.pop("POSEIDON_TOKEN", None)
+    lines = _hosts_job([["bash", "examples/slurm.sbatch", "tests/data/hosts_job.py"]], env)
+    assert len(lines) == 4, lines
+    assert {line.split(" hosts ")[1].split(" digest ")[0] for line in lines} == {"[[0, 1], [2, 3]]"}
+    assert len({line.split(" digest ")[1] for line in lines}) == 1, lines
