@@ -167,3 +167,49 @@ def test_sfb_between_hosts_rebuilds_the_same_bits_everywhere_sending_each_stack_
             for members in topo.hosts:
                 rows = sum(ks[r] for r in members)
                 assert sum(per_rank[r] for r in members) == 4 * rows * (m + n) * (hosts - 1)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    layout=st.sampled_from(LAYOUTS + [(4, 3)]),
+    interleaved=st.booleans(),
+    sizes=st.lists(st.integers(0, 40), min_size=12, max_size=12),
+    seed=st.integers(0, 10_000),
+)
+def test_the_all_gather_by_host_hands_every_rank_every_payload_each_host_s_bundle_crossing_once(
+    layout, interleaved, sizes, seed
+):
+    # The lossy schemes' and rows' all-gather (MeshExchange): payloads of any length, zero
+    # included, arrive whole from every rank, as the flat all-gather gives them.
+    from poseidon_aio.sync.exchange import MeshExchange
+    from poseidon_aio.wire import DType
+
+    hosts, local = layout
+    topo = topology(hosts, local, interleaved)
+    world = topo.world
+
+    async def go():
+        peers = await mesh(world, seed)
+        ex = [MeshExchange(r, world, peers[r], 30.0, topology=topo) for r in range(world)]
+        payloads = [np.random.default_rng([seed, r]).standard_normal(sizes[r]).astype(np.float32) for r in range(world)]
+        got = await asyncio.gather(
+            *(
+                ex[r].allgather([payloads[r]], DType.FLOAT32, layer=7, phase=1, clock=3, what="layer emb")
+                for r in range(world)
+            )
+        )
+        for side in peers:
+            for conn in side.values():
+                conn.abort()
+        return payloads, got
+
+    payloads, got = run_async(go())
+    for r, (frames, sent, _) in enumerate(got):
+        assert sorted(frames) == [q for q in range(world) if q != r]
+        for q, frame in frames.items():
+            assert frame.header.dtype is DType.FLOAT32 and frame.header.rank == q
+            assert bytes(frame.payload) == payloads[q].tobytes(), (r, q)
+    if local > 1:
+        for members in topo.hosts:
+            bundle = 8 * local + sum(payloads[q].nbytes for q in members)
+            assert sum(got[r][1] for r in members) == bundle * (hosts - 1)

@@ -265,6 +265,16 @@ def test_a_trainer_under_torchrun_multi_node_knows_its_hosts_and_stays_exact():
     reference = single_process(spec, seed, workers, steps, size)
     for label, *_ in runs:
         assert run_failures(res, label, spec, reference, workers) == []
+    lm = {"kind": "lm", "vocab": 60, "width": 6, "sequence": 4, "hidden": [8], "classes": 3}
+    lm_runs = [("rows", "poseidon", "rows-mixed"), ("rows-flat", "poseidon", "rows-mixed", None, {"hosts": "flat"})]
+    res_lm = run_workers(workers, train_worker, lm, seed, lm_runs, steps, size, {}, timeout=120, env=launcher)
+    lm_reference = single_process(lm, seed, workers, steps, size)
+    for label, *_ in lm_runs:
+        assert run_failures(res_lm, label, lm, lm_reference, workers) == []
+    assert res_lm[0]["rows"]["schemes"]["embed"] == "rows"
+    hosts = sum(res_lm[r]["rows"]["bytes"]["rows"] for r in range(workers))
+    flat = sum(res_lm[r]["rows-flat"]["bytes"]["rows"] for r in range(workers))
+    assert hosts < 0.55 * flat, (hosts, flat)  # a host's rows cross once (with a table of lengths)
     # Across hosts a host sends its all-reduce bytes and its factors once: (H - 1) / (P - 1) = 1/3
     # of the flat run's.
     for scheme, (label, flat_label) in {"allreduce": ("hosts", "flat"), "sfb": ("mixed", "mixed-flat")}.items():
@@ -346,3 +356,14 @@ def test_a_local_worker_killed_ends_the_job_naming_its_host_and_local_rank(schem
         assert kind == "ConnectionLost", (rank, kind, message)
         assert "rank 3 (host 1 'vm', local rank 1)" in message.replace(socket.gethostname(), "vm"), (rank, message)
         assert took < 30.0 and "\n" not in message, (rank, took)
+
+
+def test_the_cost_model_sends_an_embedding_s_rows_once_a_host_pair():
+    from poseidon_aio.plan.cost import Hosts, LayerShape, Link, Scheme, predicted_time
+
+    emb = LayerShape("embed", "embedding", 30000, 64, rows=512)
+    link = Link.of_bandwidth(1.25e8)
+    flat = predicted_time(emb, Scheme.ROWS, 8, 8, link)  # one worker's rows to 7 peers
+    by_host = predicted_time(emb, Scheme.ROWS, 8, 8, link, hosts=Hosts(2, 4))  # a host's 4, to 1 host
+    assert flat == pytest.approx(link.beta * 4 * 512 * 65 * 7)
+    assert by_host == pytest.approx(link.beta * 4 * 512 * 65 * 4)

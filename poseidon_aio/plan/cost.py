@@ -30,12 +30,14 @@ so with the paper's assumptions (a layer spread over every shard, bytes only) th
 come out as the paper says. Pure functions: no torch, no I/O.
 
 Hosts of several workers (:class:`Hosts`, P_h hosts of L workers): the busiest link is a host's,
-which its L workers share. The all-reduce and SFB go by host (``sync.hierarchical``): the
-all-reduce's network term is a ring's over P_h hosts, ``2b (P_h - 1) / P_h`` each way, and SFB's
-``K L (M + N) (P_h - 1)`` floats each way (the per-host K·L in its break-even), each plus a term
-inside the host on the host's own link (reduce-scatter and all-gather among L; every other
-local rank's factors). The schemes that stay flat (PS, rows, the lossy ones) put L workers' flows
-on the host's link: their beta counts L times.
+which its L workers share. The all-reduce, SFB and rows go by host (``sync.hierarchical``,
+``sync.hierarchical_sfb``, the mesh's all-gather): the all-reduce's network term is a ring's over
+P_h hosts, ``2b (P_h - 1) / P_h`` each way, SFB's ``K L (M + N) (P_h - 1)`` floats each way (the
+per-host K·L in its break-even) and rows' ``K L (N + 1) (P_h - 1)``, each plus a term inside the
+host on the host's own link (reduce-scatter and all-gather among L; every other local rank's
+factors or rows). The schemes that stay flat (PS, fp16, PowerSGD) put L workers' flows on the
+host's link: their beta counts L times; top-k's all-gather goes by host like rows
+(``plan.lossy``).
 """
 
 from __future__ import annotations
@@ -305,6 +307,12 @@ def _by_host(layer, scheme, workers, servers, link, chunk_bytes, itemsize, hosts
         rows = itemsize * layer.rows * (layer.m + layer.n)
         across = link.alpha + link.beta * rows * L * (H - 1) if H > 1 else 0.0
         return across + 2 * inside.alpha + inside.beta * rows * (L - 1) * H + workers * gemm
+    if scheme is Scheme.ROWS:  # each host's rows and indices, bundled, once to every peer host
+        if layer.kind is not LayerKind.EMBEDDING or not layer.rows:
+            return float("inf")
+        rows = 4 * min(layer.rows, layer.m) * (layer.n + 1)
+        across = link.alpha + link.beta * rows * L * (H - 1) if H > 1 else 0.0
+        return across + 2 * inside.alpha + inside.beta * rows * (L - 1) * H
     return predicted_time(
         layer, scheme, workers, servers, hosts.shared(link), chunk_bytes=chunk_bytes, itemsize=itemsize
     )

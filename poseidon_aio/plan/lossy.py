@@ -349,13 +349,16 @@ class LossyPlanner:
             exact_t = times[exact.value] = predicted_time(
                 shape, exact, workers, shards, link, chunk_bytes=chunk_bytes, hosts=hosts
             )
-        flat = hosts.shared(link) if hosts is not None and hosts.local > 1 else link
+        by_host = hosts is not None and hosts.local > 1
+        flat = hosts.shared(link) if by_host else link
         lossy, reasons = {}, {}
         for scheme in self.config.schemes:
             why = unsuited(layer, scheme, self.config)
             if why is None:
+                # Top-k's all-gather goes by host: L workers' payloads, bundled, to P_h - 1 hosts.
+                gathered = by_host and scheme is Scheme.TOPK
                 lossy[scheme] = times[scheme.value] = lossy_time(
-                    layer, scheme, workers, flat, self.config, self.costs, rows
+                    layer, scheme, hosts.hosts if gathered else workers, flat, self.config, self.costs, rows
                 )
             else:
                 reasons[scheme] = why

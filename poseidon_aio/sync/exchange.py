@@ -9,9 +9,13 @@ divides by P, encodes the mean and sends it to every peer (AGGREGATE), keeping f
 what they will decode. Every replica thus holds the owner's bits, whatever the arrival order.
 Per worker and direction: ``2 (P - 1) / P`` of the encoded vector, in two rounds of messages.
 
-**All-gather** (top-k): every rank sends one payload to every peer (PUSH) and gets theirs; the
-caller decodes and adds them in rank order. ``(P - 1)`` payloads each way, one round: a sparse
-payload cannot be summed by an owner without densifying it.
+**All-gather** (top-k, rows): every rank sends one payload to every peer (PUSH) and gets theirs;
+the caller decodes and adds them in rank order. ``(P - 1)`` payloads each way, one round: a sparse
+payload cannot be summed by an owner without densifying it. Where hosts run L workers each, the
+payloads cross the network once a host pair: every rank sends its payload to its local peers,
+host ``h``'s bundle (its L payloads behind a table of their lengths) goes to host ``g`` from local
+rank ``g mod L`` to local rank ``h mod L``, which forwards it inside ``g`` (chunk ``1 + h`` of the
+key); the caller gets every rank's payload as before.
 
 Frame keys: ``layer << 16 | phase << 14 | chunk`` (``phase`` tells a scheme's collectives of one
 layer and clock apart: PowerSGD's P and Q); clocks are training clocks. The lossy schemes own
@@ -29,10 +33,11 @@ from typing import Callable, Hashable, Mapping, Optional
 import numpy as np
 
 from ..net.endpoint import silence
-from ..errors import ConfigError, SyncTimeout
+from ..errors import ConfigError, RemoteProtocolError, SyncTimeout
 from ..net.loop import Offload
 from ..plan.lossy import CompressionConfig
-from ..wire import Kind
+from ..wire import DType, Frame, Header, Kind
+from ..wire.layout import ITEMSIZE
 from .compress import Feedback
 
 LAYER_SHIFT = 16
@@ -70,6 +75,8 @@ class MeshExchange:
         executor: where encoding, decoding and sums run (the loop keeps moving bytes meanwhile)
             once they cost more than a thread hop (``net.loop.Offload``); ``None`` runs them on
             the loop (tests).
+        topology: the job's hosts; where they run several workers each, the all-gather goes by
+            host (the all-reduce stays flat).
 
     >>> # mean, sent, received = await mesh.allreduce(x, half, layer=3, phase=0, clock=t, what="layer fc1")
     """
@@ -82,10 +89,12 @@ class MeshExchange:
         timeout: float,
         chunk_bytes: int = 2 << 20,
         executor: Optional[Executor] = None,
+        topology=None,
     ) -> None:
         self.rank = rank
         self.world = world
         self._peers = dict(peers)
+        self._topology = topology if topology is not None and topology.local_size > 1 else None
         self._timeout = timeout
         self._chunk_bytes = chunk_bytes
         self._offload = Offload(executor)
@@ -94,7 +103,7 @@ class MeshExchange:
     @classmethod
     def of(cls, ctx) -> "MeshExchange":
         """The exchange of a :class:`~poseidon_aio.sync.syncer.SyncContext`."""
-        return cls(ctx.rank, ctx.world, ctx.peers, ctx.timeout, ctx.chunk_bytes, ctx.executor)
+        return cls(ctx.rank, ctx.world, ctx.peers, ctx.timeout, ctx.chunk_bytes, ctx.executor, ctx.topology)
 
     async def run(self, key: Hashable, fn: Callable, *args):
         """``fn(*args)``, a recurring piece of work known by ``key``: on the executor (NumPy
@@ -246,6 +255,8 @@ class MeshExchange:
         """
         if self.world == 1:
             return {}, 0, 0
+        if self._topology is not None:
+            return await self._by_host(parts, dtype, layer, phase, clock, what, priority)
         key = frame_key(layer, phase, 0)
         pending = {("its payload", q): conn.expect(Kind.PUSH, key, clock) for q, conn in self._peers.items()}
 
@@ -268,6 +279,94 @@ class MeshExchange:
         nbytes = sum(p.nbytes for p in parts)
         by_rank = {q: f for (_, q), f in zip(pending, frames)}
         return by_rank, nbytes * len(self._peers), sum(f.header.length for f in frames)
+
+    async def _by_host(self, parts, dtype, layer, phase, clock, what, priority) -> tuple:
+        """:meth:`allgather` where hosts run several workers: a host's payloads cross once."""
+        topo, rank = self._topology, self.rank
+        host, me, L = topo.host_of(rank), topo.local_rank_of(rank), topo.local_size
+        local = topo.local_peers(rank)
+        links = {q: self._peers[q] for q in local if q != rank}
+        sends_to = {
+            g: self._peers[topo.hosts[g][host % L]] for g in range(len(topo.hosts)) if g != host and g % L == me
+        }
+        bundle_from = {
+            h: (topo.hosts[h][host % L] if h % L == me else local[h % L]) for h in range(len(topo.hosts)) if h != host
+        }
+        own_key = frame_key(layer, phase, 0)
+        pending = {("its payload", q): conn.expect(Kind.PUSH, own_key, clock) for q, conn in links.items()}
+        for h, q in bundle_from.items():
+            pending[(f"host {h}'s bundle", q)] = self._peers[q].expect(Kind.PUSH, frame_key(layer, phase, 1 + h), clock)
+
+        def send(conn, key, payload, kind_dtype):
+            return conn.send(Kind.PUSH, payload, key=key, clock=clock, dtype=kind_dtype, priority=priority)
+
+        async def forward(h: int, fut) -> None:
+            frame = await fut
+            payload = np.frombuffer(frame.payload, np.uint8)
+            await asyncio.gather(
+                *(send(c, frame_key(layer, phase, 1 + h), [payload], DType.UINT8) for c in links.values())
+            )
+
+        async def body() -> tuple:
+            await asyncio.gather(*(send(conn, own_key, parts, dtype) for conn in links.values()))
+            own = {q: await pending[("its payload", q)] for q in links}
+            mine = [
+                np.frombuffer(p if isinstance(p, (bytes, memoryview)) else np.ascontiguousarray(p), np.uint8)
+                for p in parts
+            ]
+            payloads = []
+            for r in local:
+                if r == rank:
+                    payloads.append(mine[0] if len(mine) == 1 else np.concatenate(mine))
+                else:
+                    payloads.append(np.frombuffer(own[r].payload, np.uint8))
+            table = np.array([p.size for p in payloads], dtype="<u8").view(np.uint8)
+            bundle = [table, *payloads]
+            crossing = [h for h in bundle_from if h % L == me]
+            waits = [pending[(f"host {h}'s bundle", bundle_from[h])] for h in bundle_from]
+            await asyncio.gather(
+                *(send(conn, frame_key(layer, phase, 1 + host), bundle, DType.UINT8) for conn in sends_to.values()),
+                *(forward(h, pending[(f"host {h}'s bundle", bundle_from[h])]) for h in crossing),
+                *waits,
+            )
+            sent = sum(b.nbytes for b in bundle) * len(sends_to)
+            received = sum(pending[(f"host {h}'s bundle", bundle_from[h])].result().header.length for h in crossing)
+            return own, sent, received
+
+        try:
+            own, sent, received = await asyncio.wait_for(body(), self._timeout)
+        except TimeoutError:
+            raise self._timed_out(what, clock, pending) from None
+        finally:
+            for fut in pending.values():
+                fut.cancel()
+        by_rank = dict(own)
+        for h, q in bundle_from.items():
+            frame = pending[(f"host {h}'s bundle", q)].result()
+            by_rank.update(self._unbundle(frame, topo.hosts[h], dtype, what, clock, h))
+        return by_rank, sent, received
+
+    @staticmethod
+    def _unbundle(frame, ranks, dtype, what: str, clock: int, host: int) -> dict:
+        """Host ``host``'s bundle cut back into one frame per rank (the payloads' views).
+
+        Raises:
+            RemoteProtocolError: its table does not add up to its length.
+        """
+        data = np.frombuffer(frame.payload, np.uint8)
+        n = len(ranks)
+        sizes = data[: 8 * n].view("<u8").astype(np.int64) if data.size >= 8 * n else None
+        if sizes is None or int(sizes.sum()) != data.size - 8 * n or any(s % ITEMSIZE[dtype] for s in sizes):
+            raise RemoteProtocolError(
+                f"{what} at clock {clock}: rank {frame.header.rank} sent host {host}'s payloads as a bundle of "
+                f"{data.size} bytes whose table does not add up; do the ranks run the same release?"
+            )
+        out, at = {}, 8 * n
+        for r, size in zip(ranks, sizes):
+            header = Header(Kind.PUSH, r, frame.header.key, clock, int(size), dtype)
+            out[r] = Frame(header, memoryview(data[at : at + int(size)]).cast("B"))
+            at += int(size)
+        return out
 
     def _timed_out(self, what: str, clock: int, pending: dict) -> SyncTimeout:
         late = sorted({q for (_, q), fut in pending.items() if not fut.done() or fut.cancelled()})
