@@ -213,3 +213,69 @@ def test_the_all_gather_by_host_hands_every_rank_every_payload_each_host_s_bundl
         for members in topo.hosts:
             bundle = 8 * local + sum(payloads[q].nbytes for q in members)
             assert sum(got[r][1] for r in members) == bundle * (hosts - 1)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    interleaved=st.booleans(),
+    n=st.integers(1, 200),
+    chunk=st.sampled_from([8, 64, 4096]),
+    half=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_the_codec_all_reduce_by_host_gives_every_rank_the_same_bits_near_the_mean(
+    layout, interleaved, n, chunk, half, seed
+):
+    # fp16's and PowerSGD's all-reduce (MeshExchange): summed inside the host in float32, through
+    # the codec across hosts, every replica the same bits; with the fp32 codec, the exact mean.
+    from poseidon_aio.sync.exchange import MeshExchange
+    from poseidon_aio.wire import DType
+    from poseidon_aio.wire import half as fp16_codec
+
+    class Exact:  # float32 through unchanged
+        DTYPE = DType.FLOAT32
+        ITEM_BYTES = 4
+
+        @staticmethod
+        def encode(x):
+            return [np.ascontiguousarray(x, np.float32)]
+
+        @staticmethod
+        def expand(parts):
+            return parts[0]
+
+        @staticmethod
+        def decode(frame, count, *, what):
+            return np.frombuffer(frame.payload, np.float32, count)
+
+    codec = fp16_codec if half else Exact
+    hosts, local = layout
+    topo = topology(hosts, local, interleaved)
+    world = topo.world
+
+    async def go():
+        peers = await mesh(world, seed)
+        ex = [MeshExchange(r, world, peers[r], 30.0, chunk_bytes=chunk, topology=topo) for r in range(world)]
+        xs = [np.random.default_rng([seed, r]).standard_normal(n).astype(np.float32) for r in range(world)]
+        got = []
+        for clock in range(2):
+            got.append(
+                await asyncio.gather(
+                    *(
+                        ex[r].allreduce(xs[r], codec, layer=4, phase=1, clock=clock, what="layer fc")
+                        for r in range(world)
+                    )
+                )
+            )
+        for side in peers:
+            for conn in side.values():
+                conn.abort()
+        return xs, got
+
+    xs, got = run_async(go())
+    mean = np.mean(np.array(xs, np.float64), axis=0)
+    for outs in got:
+        for r in range(1, world):
+            assert outs[r][0].tobytes() == outs[0][0].tobytes(), f"rank {r} differs from rank 0"
+        np.testing.assert_allclose(outs[0][0], mean, rtol=1e-2 if half else 1e-5, atol=1e-2 if half else 1e-6)

@@ -257,6 +257,7 @@ def test_a_trainer_under_torchrun_multi_node_knows_its_hosts_and_stays_exact():
         ("mixed-flat", "poseidon", "mixed", None, {"hosts": "flat"}),
         ("hosts", "poseidon", "every-allreduce", "none"),
         ("flat", "poseidon", "every-allreduce", "none", {"hosts": "flat"}),
+        *((c, "poseidon", {"0": c, "2": c, "4": c}, "none", {"compression": c}) for c in ("fp16", "powersgd", "topk")),
     ]
     res = run_workers(workers, train_worker, spec, seed, runs, steps, size, {}, timeout=120, env=launcher)
     for r in range(workers):
@@ -264,7 +265,11 @@ def test_a_trainer_under_torchrun_multi_node_knows_its_hosts_and_stays_exact():
     assert {"sfb", "allreduce", "ps"} <= set(res[0]["mixed"]["schemes"].values())
     reference = single_process(spec, seed, workers, steps, size)
     for label, *_ in runs:
-        assert run_failures(res, label, spec, reference, workers) == []
+        failures = run_failures(res, label, spec, reference, workers)
+        if label in ("fp16", "powersgd", "topk"):  # lossy: every replica the same bits, not one process's
+            failures = [f for f in failures if "single-process" not in f]
+            assert set(res[0][label]["schemes"].values()) == {label}
+        assert failures == []
     lm = {"kind": "lm", "vocab": 60, "width": 6, "sequence": 4, "hidden": [8], "classes": 3}
     lm_runs = [("rows", "poseidon", "rows-mixed"), ("rows-flat", "poseidon", "rows-mixed", None, {"hosts": "flat"})]
     res_lm = run_workers(workers, train_worker, lm, seed, lm_runs, steps, size, {}, timeout=120, env=launcher)

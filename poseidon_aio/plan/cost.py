@@ -35,9 +35,8 @@ which its L workers share. The all-reduce, SFB and rows go by host (``sync.hiera
 P_h hosts, ``2b (P_h - 1) / P_h`` each way, SFB's ``K L (M + N) (P_h - 1)`` floats each way (the
 per-host K·L in its break-even) and rows' ``K L (N + 1) (P_h - 1)``, each plus a term inside the
 host on the host's own link (reduce-scatter and all-gather among L; every other local rank's
-factors or rows). The schemes that stay flat (PS, fp16, PowerSGD) put L workers' flows on the
-host's link: their beta counts L times; top-k's all-gather goes by host like rows
-(``plan.lossy``).
+factors or rows). The PS, which stays flat, puts L workers' flows on the host's link: its beta
+counts L times. The lossy schemes go by host too (``plan.lossy`` weighs them over P_h hosts).
 """
 
 from __future__ import annotations

@@ -355,10 +355,16 @@ class LossyPlanner:
         for scheme in self.config.schemes:
             why = unsuited(layer, scheme, self.config)
             if why is None:
-                # Top-k's all-gather goes by host: L workers' payloads, bundled, to P_h - 1 hosts.
-                gathered = by_host and scheme is Scheme.TOPK
+                # By host: top-k's all-gather sends L workers' payloads, bundled, to P_h - 1 hosts;
+                # fp16's and PowerSGD's all-reduce a ring's share over P_h hosts, once a host.
                 lossy[scheme] = times[scheme.value] = lossy_time(
-                    layer, scheme, hosts.hosts if gathered else workers, flat, self.config, self.costs, rows
+                    layer,
+                    scheme,
+                    hosts.hosts if by_host else workers,
+                    flat if scheme is Scheme.TOPK else link,
+                    self.config,
+                    self.costs,
+                    rows,
                 )
             else:
                 reasons[scheme] = why

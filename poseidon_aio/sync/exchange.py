@@ -17,6 +17,11 @@ host ``h``'s bundle (its L payloads behind a table of their lengths) goes to hos
 rank ``g mod L`` to local rank ``h mod L``, which forwards it inside ``g`` (chunk ``1 + h`` of the
 key); the caller gets every rank's payload as before.
 
+Where hosts run L workers each, the all-reduce goes by host as the exact one does
+(``sync.hierarchical``): local rank ``j`` sums slice ``j`` over its host in float32, all-reduces
+that through the codec with local rank ``j`` of every other host (P_h ranks, on 1/L of the
+vector), divides by L and hands the slice to its host.
+
 Frame keys: ``layer << 16 | phase << 14 | chunk`` (``phase`` tells a scheme's collectives of one
 layer and clock apart: PowerSGD's P and Q); clocks are training clocks. The lossy schemes own
 their layers, so no other scheme uses those keys. Decoding validates every payload (the codecs in
@@ -95,8 +100,10 @@ class MeshExchange:
         self.world = world
         self._peers = dict(peers)
         self._topology = topology if topology is not None and topology.local_size > 1 else None
+        self._across: Optional["MeshExchange"] = None  # the hosts' exchange, local rank j of each
         self._timeout = timeout
         self._chunk_bytes = chunk_bytes
+        self._executor = executor
         self._offload = Offload(executor)
         self._layouts: dict = {}
 
@@ -154,6 +161,8 @@ class MeshExchange:
         if self.world == 1:
             out[:] = codec.expand(codec.encode(x))
             return out, 0, 0
+        if self._topology is not None:
+            return await self._allreduce_by_host(x, out, codec, layer, phase, clock, what, priority)
         layout = self.chunks(x.size, codec.ITEM_BYTES)
         pending: dict = {}  # (description, rank) -> future: what the deadline's message names
         try:
@@ -240,6 +249,75 @@ class MeshExchange:
         )
         nbytes = sum(p.nbytes for p in parts)
         return nbytes * len(self._peers), sum(f.header.length for f in frames.values())
+
+    async def _allreduce_by_host(self, x, out, codec, layer, phase, clock, what, priority) -> tuple:
+        """:meth:`allreduce` where hosts run several workers: local rank ``j`` sums slice ``j``
+        over its host in float32 (local-rank order), all-reduces that sum through ``codec`` with
+        local rank ``j`` of every other host, divides by L and hands its slice to its host."""
+        topo, rank = self._topology, self.rank
+        me, L = topo.local_rank_of(rank), topo.local_size
+        local = topo.local_peers(rank)
+        links = {j: self._peers[q] for j, q in enumerate(local) if q != rank}
+        if self._across is None:
+            across = [h[me] for h in topo.hosts]
+            self._across = MeshExchange(
+                topo.host_of(rank),
+                len(across),
+                {h: self._peers[q] for h, q in enumerate(across) if q != rank},
+                self._timeout,
+                self._chunk_bytes,
+                self._executor,
+            )
+        base, extra = divmod(x.size, L)
+        bounds = [j * base + min(j, extra) for j in range(L + 1)]
+        lo, hi = bounds[me], bounds[me + 1]
+        key = frame_key(layer, phase, 0)
+        pending = {}
+        for j, conn in links.items():
+            pending[(f"its part of slice {me}", local[j])] = conn.expect(Kind.PUSH, key, clock)
+            pending[(f"the mean of slice {j}", local[j])] = conn.expect(Kind.AGGREGATE, key, clock)
+
+        async def body() -> tuple:
+            await asyncio.gather(
+                *(
+                    conn.send(
+                        Kind.PUSH,
+                        x[bounds[j] : bounds[j + 1]],
+                        key=key,
+                        clock=clock,
+                        dtype=DType.FLOAT32,
+                        priority=priority,
+                    )
+                    for j, conn in links.items()
+                )
+            )
+            parts = {j: await pending[(f"its part of slice {me}", local[j])] for j in links}
+            total = np.zeros(hi - lo, np.float32)
+            for j in range(L):  # local-rank order: the same float32 additions on every host
+                np.add(total, x[lo:hi] if j == me else np.frombuffer(parts[j].payload, np.float32), out=total)
+            mean, sent, received = await self._across.allreduce(
+                total, codec, layer=layer, phase=phase, clock=clock, what=what, priority=priority
+            )
+            np.divide(mean, np.float32(L), out=mean)
+            out[lo:hi] = mean
+            await asyncio.gather(
+                *(
+                    conn.send(Kind.AGGREGATE, mean, key=key, clock=clock, dtype=DType.FLOAT32, priority=priority)
+                    for conn in links.values()
+                )
+            )
+            for j in links:
+                frame = await pending[(f"the mean of slice {j}", local[j])]
+                out[bounds[j] : bounds[j + 1]] = np.frombuffer(frame.payload, np.float32)
+            return out, sent, received
+
+        try:
+            return await asyncio.wait_for(body(), self._timeout)
+        except TimeoutError:
+            raise self._timed_out(what, clock, pending) from None
+        finally:
+            for fut in pending.values():
+                fut.cancel()
 
     # -- all-gather -------------------------------------------------------------------------
 
