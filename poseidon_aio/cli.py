@@ -133,7 +133,8 @@ def _explain(args: argparse.Namespace) -> int:
     hosts = None
     if args.hosts is not None or args.local is not None:
         try:
-            hosts = Hosts(args.hosts or 1, args.local or 1)
+            inside = Link.of_bandwidth(parse_rate_bytes(args.inside)) if args.inside else Link(0.0, 0.0)
+            hosts = Hosts(args.hosts or 1, args.local or 1, inside)
         except ValueError as exc:
             print(f"explain: {exc}", file=sys.stderr)
             return 2
@@ -277,9 +278,9 @@ def _explain(args: argparse.Namespace) -> int:
     )
     if hosts is not None:
         print(
-            f"\n{hosts.hosts} hosts of {hosts.local} workers: times on a host's link (all-reduce and SFB by host, "
-            "the others' flows sharing it), beside the same job flat; SFB up to K: the largest batch rows "
-            "a worker at which HybComm still sends the layer by SFB"
+            f"\n{hosts.hosts} hosts of {hosts.local} workers: times on a host's link (every scheme by host), "
+            "beside the same job flat; SFB up to K: the largest batch rows a worker at which HybComm still "
+            "sends the layer by SFB"
         )
         print(f"{'layer':<24} {'hybcomm':<10} {'flat':<10} {'SFB up to K':>12} {'flat':>8}")
         for r in rows:
@@ -517,6 +518,9 @@ def main(argv=None) -> int:
     explain.add_argument("--workers", type=int, default=8)
     explain.add_argument("--hosts", type=int, help="P_h hosts of --local workers each (sets --workers)")
     explain.add_argument("--local", type=int, help="L workers a host (with --hosts; default 1)")
+    explain.add_argument(
+        "--inside", help="the link between a host's workers, e.g. 20gbit (with --hosts; default: free)"
+    )
     explain.add_argument("--servers", type=int, help="parameter-server shards (default: one per worker)")
     explain.add_argument("--batch", type=int, default=32, help="K, rows per worker")
     explain.add_argument(

@@ -258,6 +258,8 @@ def test_a_trainer_under_torchrun_multi_node_knows_its_hosts_and_stays_exact():
         ("hosts", "poseidon", "every-allreduce", "none"),
         ("flat", "poseidon", "every-allreduce", "none", {"hosts": "flat"}),
         *((c, "poseidon", {"0": c, "2": c, "4": c}, "none", {"compression": c}) for c in ("fp16", "powersgd", "topk")),
+        ("ps", "wfbp", None, "none"),
+        ("ps-flat", "wfbp", None, "none", {"hosts": "flat"}),
     ]
     res = run_workers(workers, train_worker, spec, seed, runs, steps, size, {}, timeout=120, env=launcher)
     for r in range(workers):
@@ -280,12 +282,17 @@ def test_a_trainer_under_torchrun_multi_node_knows_its_hosts_and_stays_exact():
     hosts = sum(res_lm[r]["rows"]["bytes"]["rows"] for r in range(workers))
     flat = sum(res_lm[r]["rows-flat"]["bytes"]["rows"] for r in range(workers))
     assert hosts < 0.55 * flat, (hosts, flat)  # a host's rows cross once (with a table of lengths)
-    # Across hosts a host sends its all-reduce bytes and its factors once: (H - 1) / (P - 1) = 1/3
-    # of the flat run's.
+    # A host sends its all-reduce bytes and its factors once: the sockets carry (H - 1) / (P - 1)
+    # = 1/3 of the flat run's bytes.
     for scheme, (label, flat_label) in {"allreduce": ("hosts", "flat"), "sfb": ("mixed", "mixed-flat")}.items():
         hosts = sum(res[r][label]["bytes"][scheme] for r in range(workers))
         flat = sum(res[r][flat_label]["bytes"][scheme] for r in range(workers))
         assert abs(hosts / flat - 1 / 3) < 0.01, (scheme, hosts, flat)
+    # The PS: one push and reply per host and message instead of one per worker, about half the
+    # socket bytes (a shard on a worker's own host takes some flat pushes off the sockets too).
+    hosts = sum(res[r]["ps"]["bytes"]["ps"] for r in range(workers))
+    flat = sum(res[r]["ps-flat"]["bytes"]["ps"] for r in range(workers))
+    assert 0.4 < hosts / flat < 0.6, (hosts, flat)
 
 
 @settings(max_examples=80, deadline=None)
@@ -299,8 +306,7 @@ def test_a_trainer_under_torchrun_multi_node_knows_its_hosts_and_stays_exact():
 )
 def test_the_cost_model_charges_the_network_by_hosts(hosts, local, m, n, k, gbit):
     # Bytes only on the host's link (the link inside a host free): the hierarchical all-reduce
-    # is a ring's over P_h hosts, SFB's stacks K L (M + N) (P_h - 1), and a flat scheme's L
-    # workers' flows share the link, L times one worker's time.
+    # is a ring's over P_h hosts, SFB's stacks K L (M + N) (P_h - 1), the PS one push a host.
     from poseidon_aio.plan.cost import Hosts, LayerShape, Link, Scheme, hybcomm_choice, predicted_time
 
     layer = LayerShape("fc", "fc", m, n, rows=k)
@@ -310,35 +316,38 @@ def test_the_cost_model_charges_the_network_by_hosts(hosts, local, m, n, k, gbit
     t = {s: predicted_time(layer, s, P, P, link, hosts=on) for s in (Scheme.ALLREDUCE, Scheme.SFB, Scheme.PS)}
     assert t[Scheme.ALLREDUCE] == pytest.approx(link.beta * 2 * b * (hosts - 1) / hosts)
     assert t[Scheme.SFB] == pytest.approx(link.beta * 4 * k * local * (m + n) * (hosts - 1))
-    assert t[Scheme.PS] == pytest.approx(local * predicted_time(layer, Scheme.PS, P, P, link))
+    # The PS by host: the flat formula with P_h workers and the shards as P_h hosts.
+    assert t[Scheme.PS] == pytest.approx(predicted_time(layer, Scheme.PS, hosts, hosts, link))
     # SFB against the all-reduce breaks even at the same K as flat (both scale by 1/L on a
-    # host's link); against the flat PS, at (P - 1) / (P_h - 1) times the K: where flat SFB
-    # wins, SFB by host wins too.
+    # host's link).
     flat = hybcomm_choice(layer, P, P, link=link, candidates=(Scheme.SFB, Scheme.ALLREDUCE))
     assert hybcomm_choice(layer, P, P, link=link, candidates=(Scheme.SFB, Scheme.ALLREDUCE), hosts=on) is flat
-    if hybcomm_choice(layer, P, P, link=link, candidates=(Scheme.SFB, Scheme.PS)) is Scheme.SFB:
-        assert hybcomm_choice(layer, P, P, link=link, candidates=(Scheme.SFB, Scheme.PS), hosts=on) is Scheme.SFB
 
 
-def test_explain_shows_where_sfb_stops_paying_by_host_and_flat():
+def test_explain_shows_the_choices_by_host_beside_flat():
     import json
     import subprocess
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "poseidon_aio.cli", "explain", "--fc", "4096x4096", "--hosts", "2", "--local", "4"]
-        + ["--batch", "32", "--bandwidth", "1gbit", "--schemes", "ps,sfb", "--json"],
+        [sys.executable, "-m", "poseidon_aio.cli", "explain", "--model", "vgg19", "--hosts", "2", "--local", "4"]
+        + ["--batch", "32", "--bandwidth", "1gbit", "--alpha", "100", "--json"],
         capture_output=True,
         text=True,
         timeout=60,
     )
     got = json.loads(out.stdout)
-    row = got["layers"][0]
     assert (got["workers"], got["hosts"], got["local"]) == (8, 2, 4)
-    # Against the flat PS, SFB by host pays up to (P - 1) / (P_h - 1) = 7 times the batch rows
-    # it does flat.
-    assert row["hybcomm"] == row["hybcomm_flat"] == "sfb"
-    assert row["sfb_up_to_k"] / row["sfb_up_to_k_flat"] == pytest.approx(7, rel=0.01), row
+    rows = {r["name"]: r for r in got["layers"]}
+    # The PS-or-all-reduce switch moves: by host a convolution's keys spread over every host's
+    # shards, and the PS ties the all-reduce's bytes (a tie is Algorithm 1's: the PS); flat, over
+    # 8 shards it holds too few chunks to spread, and the all-reduce wins.
+    convs = [r for r in rows.values() if r["kind"] == "conv"]
+    assert {r["hybcomm"] for r in convs} == {"ps"} and {r["hybcomm_flat"] for r in convs} == {"allreduce"}
+    # SFB against either breaks even at the same K by host as flat: every scheme's bytes on a
+    # host's link shrink alike, K* = 2MN / (P (M + N)).
+    for name in ("fc6", "fc7", "fc8"):
+        assert rows[name]["hybcomm"] == "sfb" and rows[name]["sfb_up_to_k"] == rows[name]["sfb_up_to_k_flat"]
 
 
 @pytest.mark.parametrize("scheme", ["allreduce", "sfb"])

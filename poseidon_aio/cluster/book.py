@@ -20,6 +20,12 @@ scatter's shape), so merging saves the frames of its small layers and its bytes 
 link both ways at once (a group of under two runs of ``spread_bytes`` stays on one shard). Over
 fewer than ``GROUP_RUNS`` shards a group still goes in that many runs, so that each shard's sums
 follow the pushes instead of waiting for the whole group.
+
+Hosts (the topology): where each runs L workers, a message's gradient is summed inside every host
+and pushed once per host, by the host's local rank ``message id mod L`` (its speaker: the
+messages' pushes share the host's link among its workers); the shard waits for the P_h speakers
+and replies to them, each pushing the sum of L workers. A factored layer's factors still come
+from every worker.
 """
 
 from __future__ import annotations
@@ -188,6 +194,7 @@ class InformationBook:
             )
             for m in self.messages
         }
+        self._pushers: dict = {}  # message id -> the ranks that push it (pushers())
         self._digest = hashlib.sha256(self._canonical().encode()).hexdigest()
 
     # -- construction ---------------------------------------------------------------------------
@@ -458,6 +465,28 @@ class InformationBook:
             if messages and messages[0].id == message_id:
                 return layer, messages
         return None
+
+    @property
+    def by_host(self) -> bool:
+        """Whether a message's gradient is pushed once per host (hosts run several workers)."""
+        return self.topology.local_size > 1
+
+    def speaker(self, message_id: int) -> int:
+        """The local rank that pushes ``message_id`` for its host (0 where every worker is a host)."""
+        return message_id % self.topology.local_size
+
+    def pushers(self, message_id: int) -> tuple:
+        """The ranks whose pushes make message ``message_id``'s sum: every host's speaker, or every
+        worker (a flat job; a factored layer's factors)."""
+        found = self._pushers.get(message_id)
+        if found is None:
+            rebuilt = any(message_id in {m.id for m in self.messages_of_params(layer)} for layer in self.factored)
+            if self.by_host and not rebuilt:
+                found = tuple(h[self.speaker(message_id)] for h in self.topology.hosts)
+            else:
+                found = tuple(range(self.workers))
+            self._pushers[message_id] = found
+        return found
 
     def shard_bytes(self) -> list:
         load = [0] * self.shards

@@ -30,13 +30,15 @@ so with the paper's assumptions (a layer spread over every shard, bytes only) th
 come out as the paper says. Pure functions: no torch, no I/O.
 
 Hosts of several workers (:class:`Hosts`, P_h hosts of L workers): the busiest link is a host's,
-which its L workers share. The all-reduce, SFB and rows go by host (``sync.hierarchical``,
-``sync.hierarchical_sfb``, the mesh's all-gather): the all-reduce's network term is a ring's over
-P_h hosts, ``2b (P_h - 1) / P_h`` each way, SFB's ``K L (M + N) (P_h - 1)`` floats each way (the
-per-host K·L in its break-even) and rows' ``K L (N + 1) (P_h - 1)``, each plus a term inside the
-host on the host's own link (reduce-scatter and all-gather among L; every other local rank's
-factors or rows). The PS, which stays flat, puts L workers' flows on the host's link: its beta
-counts L times. The lossy schemes go by host too (``plan.lossy`` weighs them over P_h hosts).
+which its L workers share. Every scheme goes by host (``sync.hierarchical*``, the mesh's
+all-gather): the PS pushes once per host and message, its network term the flat one's with P_h
+for P1 and for the shards (a host's shards are one node to the others), the all-reduce's a
+ring's over P_h hosts, ``2b (P_h - 1) / P_h`` each way, SFB's ``K L (M + N) (P_h - 1)`` floats
+each way (the per-host K·L in its break-even) and rows' ``K L (N + 1) (P_h - 1)``, each plus a
+term inside the host on the host's own link (the slices to and from the host's speakers or
+owners; every other local rank's factors or rows). The lossy schemes go by host too
+(``plan.lossy`` weighs them over P_h hosts); Project Adam's factors still come from every worker,
+L flows on the host's link.
 """
 
 from __future__ import annotations
@@ -306,6 +308,10 @@ def _by_host(layer, scheme, workers, servers, link, chunk_bytes, itemsize, hosts
         rows = itemsize * layer.rows * (layer.m + layer.n)
         across = link.alpha + link.beta * rows * L * (H - 1) if H > 1 else 0.0
         return across + 2 * inside.alpha + inside.beta * rows * (L - 1) * H + workers * gemm
+    if scheme is Scheme.PS:  # one push and reply per host and message, the shards as P_h hosts'
+        s = min(H, max(1, -(-b // chunk_bytes)))
+        across = 2 * link.alpha + link.beta * b * (s - 1 + H - 1) / s if H > 1 else 0.0
+        return across + 2 * inside.alpha + inside.beta * 2 * b * (L - 1) / L + gemm
     if scheme is Scheme.ROWS:  # each host's rows and indices, bundled, once to every peer host
         if layer.kind is not LayerKind.EMBEDDING or not layer.rows:
             return float("inf")

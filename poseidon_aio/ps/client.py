@@ -306,6 +306,31 @@ class PSClient:
             )
         return op.started()
 
+    def push_message(self, message: Message, payload: list, out: list, clock: int, priority: int = 0) -> asyncio.Future:
+        """Push ``payload`` (arrays, gathered) as ``message`` for ``clock``, its host's sum where
+        hosts push once each (:meth:`InformationBook.pushers`); the reply lands in ``out`` (the
+        message's slices). A future of the :class:`PushResult`, as :meth:`push`'s."""
+        server = self.config.server_sgd is not None
+        reply_kind, reply_clock = (Kind.PARAMS, clock + 1) if server else (Kind.AGGREGATE, clock)
+        conn = self._conns[message.shard]
+        op = _Sync(self, (message,), clock, f"replies for clock {clock}")
+        op.expect(conn, reply_kind, message.id, reply_clock, out)
+        op.send(conn, Kind.PUSH, payload, message.id, clock, DTYPE_BY_NAME[message.dtype], priority, message.nbytes)
+        return op.started()
+
+    def landed(self, clock: int, messages: int) -> None:
+        """``messages`` replies of ``clock`` landed another way (forwarded inside the host): they
+        count for :meth:`gate` as the client's own do."""
+        self._count(clock, messages)
+
+    def flat(self, params: Sequence[int], arrays: Sequence[np.ndarray]) -> dict:
+        """``{manifest index: flattened view}`` of ``arrays``, checked against the manifest.
+
+        Raises:
+            LocalProtocolError: a shape, dtype or layout that does not match.
+        """
+        return self._flat(params, arrays)
+
     def push_factors(
         self,
         params: Sequence[int],

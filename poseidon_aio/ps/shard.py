@@ -96,6 +96,10 @@ class KVShard:
             if found and found[1][0].shard == index:
                 self._factored[found[1][0].id] = found
         self._rebuilt = {m.id for _, messages in self._factored.values() for m in messages}
+        # Who pushes each message (every host's speaker where hosts run several workers, else
+        # every worker), and how many workers' gradients a push sums.
+        self._pushers = {mid: frozenset(book.pushers(mid)) for mid in self._messages}
+        self._weight = {mid: self.workers // len(self._pushers[mid]) for mid in self._messages}
         self._conns: dict = {}
         self._ever: set = set()
         self._all_joined = asyncio.Event()
@@ -215,8 +219,10 @@ class KVShard:
             return None
         if self._settled(mid, clock):
             return None
-        p = self._pending_for(mid, clock)
         rank = conn.peer_rank
+        if rank not in self._pushers[mid]:
+            return None
+        p = self._pending_for(mid, clock)
         if rank in p.have or rank in p.landing:
             return None
         p.landing.add(rank)
@@ -274,6 +280,11 @@ class KVShard:
                 f"rank {rank} pushed a gradient for message {m.id} ({self._describe(m)}) at clock {frame.clock}, which "
                 f"shard {self.index} rebuilds from sufficient factors: the ranks' scheme plans differ"
             )
+        if rank not in self._pushers[m.id]:
+            raise RemoteProtocolError(
+                f"rank {rank} pushed message {m.id} ({self._describe(m)}) at clock {frame.clock}, which its host's "
+                f"local rank {self.book.speaker(m.id)} pushes for the host: the ranks' information books differ"
+            )
         self._count_in(frame, local)
 
         def keep(p: Pending) -> None:
@@ -325,7 +336,7 @@ class KVShard:
         if rank in p.have:
             raise RemoteProtocolError(f"rank {rank} sent {frame.kind.name} for message {mid} twice at clock {clock}")
         for gone in self._departed:
-            if gone not in p.have:  # BSP cannot finalize without it: say so now, not at the timeout
+            if gone in self._pushers[mid] and gone not in p.have:  # BSP cannot finalize without it: say so now
                 self._report_departed(gone, [rank])
         store(p)
         p.landing.discard(rank)
@@ -334,7 +345,7 @@ class KVShard:
         if len(p.have) == 1:
             p.first_at = now
             self._arm_timers(mid, clock, p)
-        if len(p.have) == self.workers:
+        if len(p.have) == len(self._pushers[mid]):
             self._lags.append(now - p.first_at)
         self._advance(mid)
 
@@ -359,7 +370,7 @@ class KVShard:
         p = self._pending.get((mid, clock))
         if p is None:
             return
-        missing = sorted(set(range(self.workers)) - p.have)
+        missing = sorted(self._pushers[mid] - p.have)
         waited = self._loop.time() - p.first_at
         what = f"message {mid} ({self._describe(self._messages[mid])}) at clock {clock}"
         log.warning("shard %d: %s has waited %.0f s for ranks %s", self.index, what, waited, missing)
@@ -378,8 +389,10 @@ class KVShard:
         if p is None:
             return
         # An ejected worker (straggler policy) is no longer waited for.
-        waiting = set(range(self.workers)) - p.have - (set(self._ejected) if self.config.stragglers.enabled else set())
-        if not waiting or (p.deadline_passed and len(p.have) >= self._quorum):
+        pushers = self._pushers[mid]
+        waiting = pushers - p.have - (set(self._ejected) if self.config.stragglers.enabled else set())
+        quorum = self._quorum if len(pushers) == self.workers else self.config.stragglers.quorum_of(len(pushers))
+        if not waiting or (p.deadline_passed and len(p.have) >= quorum):
             contributors = sorted(p.have)
         else:
             return
@@ -408,7 +421,9 @@ class KVShard:
                 replies = [(msg, Kind.AGGREGATE, payload, clock) for msg, payload in rebuilt]
             else:
                 out = self._replies.take(mid, self._numel[mid], self._dtype[mid])
-                mean = await self._loop.run_in_executor(self._pool, reduce_mean, p.slots, contributors, out)
+                mean = await self._loop.run_in_executor(
+                    self._pool, reduce_mean, p.slots, contributors, out, self._weight[mid]
+                )
                 replies = [(self._messages[mid], *self._reply(mid, clock, p, mean))]
             self._deliver(mid, clock, contributors, replies)
         except RemoteProtocolError as exc:
@@ -421,7 +436,8 @@ class KVShard:
         """Finalize a mean small enough to take on the loop (a thread hop costs more than the sum;
         and no task: ~30 messages a step on a small model each saved one)."""
         try:
-            mean = reduce_mean(p.slots, contributors, self._replies.take(mid, self._numel[mid], self._dtype[mid]))
+            out = self._replies.take(mid, self._numel[mid], self._dtype[mid])
+            mean = reduce_mean(p.slots, contributors, out, self._weight[mid])
             self._deliver(mid, clock, contributors, [(self._messages[mid], *self._reply(mid, clock, p, mean))])
         except RemoteProtocolError as exc:
             self._refused(mid, clock, exc)
@@ -437,7 +453,8 @@ class KVShard:
         return Kind.AGGREGATE, mean, clock
 
     def _deliver(self, mid: int, clock: int, contributors: list, replies: list) -> None:
-        dropped = sorted(set(range(self.workers)) - set(contributors))
+        pushers = self._pushers[mid]
+        dropped = sorted(pushers - set(contributors))
         for r in dropped:
             self.stats.dropped[r] = self.stats.dropped.get(r, 0) + 1
         if dropped:
@@ -446,7 +463,7 @@ class KVShard:
         for msg, kind, payload, reply_clock in replies:
             self._finalized[msg.id] = clock
             self.stats.finalized += 1
-            for r in range(self.workers):
+            for r in sorted(pushers):
                 self._send(r, [*notice, (kind, payload, msg.id, reply_clock, DTYPE_BY_NAME[msg.dtype])])
         if self._sgd is not None and mid not in self._factored:
             self._after_update(mid, clock + 1)
@@ -454,7 +471,7 @@ class KVShard:
     def _refused(self, mid: int, clock: int, exc: RemoteProtocolError) -> None:
         """Nothing to reply with (no parameters to apply SGD to): every worker must hear why."""
         log.error("shard %d: %s", self.index, exc)
-        for r in range(self.workers):
+        for r in sorted(self._pushers[mid]):
             self._send(r, [self._notice("error", message=mid, clock=clock, reason=str(exc))])
 
     def _after_update(self, mid: int, version: int) -> None:

@@ -52,22 +52,27 @@ class ReplyBuffers:
         return buf
 
 
-def reduce_mean(slots: np.ndarray, contributors: list, out: Optional[np.ndarray] = None) -> np.ndarray:
-    """Mean of ``slots[r]`` over ``contributors``, summed in the given (sorted) order.
+def reduce_mean(slots: np.ndarray, contributors: list, out: Optional[np.ndarray] = None, weight: int = 1) -> np.ndarray:
+    """Mean of ``slots[r]`` over ``contributors``, summed in the given (sorted) order; each slot
+    the sum of ``weight`` workers' gradients (a host's push), so the sum is divided by
+    ``weight * len(contributors)``.
 
     The order is fixed, so the result's bits do not depend on which push arrived first.
     """
     first = slots[contributors[0]]
     if len(contributors) == 1:
         if out is None:
-            return first.copy()
-        np.copyto(out, first)
+            out = first.copy()
+        else:
+            np.copyto(out, first)
+        if weight != 1:
+            np.divide(out, out.dtype.type(weight), out=out)
         return out
     # The first sum writes ``out``: a pass over the bytes fewer than copying the first row in.
     out = np.add(first, slots[contributors[1]], out=out)
     for r in contributors[2:]:
         np.add(out, slots[r], out=out)
-    np.divide(out, out.dtype.type(len(contributors)), out=out)
+    np.divide(out, out.dtype.type(weight * len(contributors)), out=out)
     return out
 
 

@@ -12,6 +12,7 @@ from .bucket import Bucket
 from .compress import Feedback, measure_compute
 from .half import HalfSyncer
 from .hierarchical import HierarchicalAllReduce
+from .hierarchical_ps import HierarchicalPS
 from .hierarchical_sfb import HierarchicalSFB
 from .merge import Merging
 from .powersgd import PowerSGDSyncer
@@ -30,6 +31,7 @@ __all__ = [
     "Feedback",
     "HalfSyncer",
     "HierarchicalAllReduce",
+    "HierarchicalPS",
     "HierarchicalSFB",
     "MergeRuntime",
     "Merging",

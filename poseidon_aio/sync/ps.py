@@ -7,12 +7,15 @@ import asyncio
 
 from ..plan.cost import Scheme
 from .bucket import Bucket
-from .syncer import SyncContext, Syncer, SyncResult, register
+from .syncer import SyncContext, Syncer, SyncResult
 
 
-@register
 class PSSyncer(Syncer):
-    """Args:
+    """The PS scheme, every worker pushing for itself (the scheme's registered syncer,
+    :class:`~poseidon_aio.sync.hierarchical_ps.HierarchicalPS`, builds it where the book pushes
+    per worker).
+
+    Args:
     client: the node's :class:`~poseidon_aio.ps.PSClient`.
     index: model manifest index -> the parameter server's manifest index.
     """

@@ -16,6 +16,7 @@ from .. import kernels
 from ..cluster import Manifest
 from ..cluster.book import spread_bytes_for
 from ..cluster.job import Job
+from ..cluster.topology import Topology
 from ..errors import CheckpointError
 from ..ps import PSNode
 from ..plan import Hosts, Link, MergeKind, Mode, Scheme, choose_schemes, link_of
@@ -303,7 +304,7 @@ class Planning:
             process_shaper=self.shaper,
             factored=factored or None,
             shard_state={k: v.numpy() for k, v in saved.items()} if saved else None,
-            topology=self.job.topology,
+            topology=self.hosts_topology or Topology.flat(self.world),
         )
         self._shard_bytes_seen = 0
         if self.settings.ps.server_sgd is not None and not self.node.resumed and self.rank == 0:
