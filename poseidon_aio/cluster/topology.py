@@ -148,6 +148,29 @@ class Topology:
         """The ranks on ``rank``'s host, itself included, in local-rank order."""
         return self.hosts[self.host_of(rank)]
 
+    def routes(self, rank: int) -> tuple:
+        """How a host's bundle (its L ranks' payloads together) reaches every other host, seen
+        from ``rank``: host ``h`` sends it to host ``g`` from its local rank ``g mod L`` to ``g``'s
+        local rank ``h mod L``, which forwards it to its local peers; so the host pairs are shared
+        out among the local ranks.
+
+        Returns:
+            ``(sends_to, comes_from, crossing)``: ``{host: rank}`` this rank sends its host's
+            bundle to, ``{host: rank}`` each other host's bundle comes from (over the network,
+            or forwarded by a local peer), and the hosts whose bundles reach this rank over the
+            network (it forwards them).
+
+        >>> Topology(((0, 1), (2, 3), (4, 5))).routes(1)  # host 0's local rank 1
+        ({1: 2}, {1: 2, 2: 0}, {1})
+        """
+        host, me, L = self.host_of(rank), self.local_rank_of(rank), self.local_size
+        local = self.hosts[host]
+        others = [h for h in range(len(self.hosts)) if h != host]
+        sends_to = {g: self.hosts[g][host % L] for g in others if g % L == me}
+        crossing = {h for h in others if h % L == me}
+        comes_from = {h: self.hosts[h][host % L] if h in crossing else local[h % L] for h in others}
+        return sends_to, comes_from, crossing
+
     def describe(self, host: int) -> str:
         """``"host 1 'node-b'"``, for messages."""
         name = self.names[host] if self.names else ""

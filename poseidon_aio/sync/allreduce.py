@@ -138,6 +138,16 @@ def _scatter(flat: np.ndarray, arrays: list, pieces: list) -> None:
         offset += hi - lo
 
 
+def layout_of(cache: dict, bucket: Bucket, owners: int, chunk_bytes: int, itemsize: int) -> _Layout:
+    """The bucket's :class:`_Layout` over ``owners`` slices, made once per bucket shape (``cache``)."""
+    sizes = tuple(g.size for g in bucket.grads)
+    key = (bucket.layers, sizes)
+    layout = cache.get(key)
+    if layout is None:
+        layout = cache[key] = _Layout(sizes, owners, max(1, chunk_bytes // itemsize))
+    return layout
+
+
 def flat_arrays(bucket: Bucket) -> tuple:
     """``(grads, outs, dtype, wire dtype)``: the bucket's arrays flattened, of one dtype.
 
@@ -229,12 +239,7 @@ class AllReduceSyncer(Syncer):
         return asyncio.ensure_future(self._sync(bucket, clock))
 
     def _layout(self, bucket: Bucket, itemsize: int) -> _Layout:
-        sizes = tuple(g.size for g in bucket.grads)
-        key = (bucket.layers, sizes)
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = self._layouts[key] = _Layout(sizes, self.world, max(1, self._chunk_bytes // itemsize))
-        return layout
+        return layout_of(self._layouts, bucket, self.world, self._chunk_bytes, itemsize)
 
     async def _sync(self, bucket: Bucket, clock: int) -> SyncResult:
         grads, outs, dtype, wire = flat_arrays(bucket)

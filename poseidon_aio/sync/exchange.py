@@ -361,15 +361,10 @@ class MeshExchange:
     async def _by_host(self, parts, dtype, layer, phase, clock, what, priority) -> tuple:
         """:meth:`allgather` where hosts run several workers: a host's payloads cross once."""
         topo, rank = self._topology, self.rank
-        host, me, L = topo.host_of(rank), topo.local_rank_of(rank), topo.local_size
-        local = topo.local_peers(rank)
+        host, local = topo.host_of(rank), topo.local_peers(rank)
         links = {q: self._peers[q] for q in local if q != rank}
-        sends_to = {
-            g: self._peers[topo.hosts[g][host % L]] for g in range(len(topo.hosts)) if g != host and g % L == me
-        }
-        bundle_from = {
-            h: (topo.hosts[h][host % L] if h % L == me else local[h % L]) for h in range(len(topo.hosts)) if h != host
-        }
+        routes, bundle_from, crossing = topo.routes(rank)
+        sends_to = {g: self._peers[q] for g, q in routes.items()}
         own_key = frame_key(layer, phase, 0)
         pending = {("its payload", q): conn.expect(Kind.PUSH, own_key, clock) for q, conn in links.items()}
         for h, q in bundle_from.items():
@@ -400,7 +395,6 @@ class MeshExchange:
                     payloads.append(np.frombuffer(own[r].payload, np.uint8))
             table = np.array([p.size for p in payloads], dtype="<u8").view(np.uint8)
             bundle = [table, *payloads]
-            crossing = [h for h in bundle_from if h % L == me]
             waits = [pending[(f"host {h}'s bundle", bundle_from[h])] for h in bundle_from]
             await asyncio.gather(
                 *(send(conn, frame_key(layer, phase, 1 + host), bundle, DType.UINT8) for conn in sends_to.values()),

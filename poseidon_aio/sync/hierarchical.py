@@ -30,13 +30,12 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import SyncTimeout
 from ..net.endpoint import silence
 from ..plan.cost import Scheme
 from ..wire import Kind
-from .allreduce import CHUNKS_PER_LAYER, AllReduceSyncer, _gathered, _Layout, _scatter, flat_arrays
+from .allreduce import CHUNKS_PER_LAYER, AllReduceSyncer, _gathered, _scatter, flat_arrays, layout_of
 from .bucket import Bucket
-from .syncer import SyncContext, Syncer, SyncResult, register
+from .syncer import SyncContext, Syncer, SyncResult, register, within
 
 
 @register
@@ -86,17 +85,9 @@ class HierarchicalAllReduce(Syncer):
     def start(self, bucket: Bucket, clock: int) -> asyncio.Task:
         return asyncio.ensure_future(self._sync(bucket, clock))
 
-    def _layout(self, bucket: Bucket, itemsize: int) -> _Layout:
-        sizes = tuple(g.size for g in bucket.grads)
-        key = (bucket.layers, sizes)
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = self._layouts[key] = _Layout(sizes, len(self.local), max(1, self._chunk_bytes // itemsize))
-        return layout
-
     async def _sync(self, bucket: Bucket, clock: int) -> SyncResult:
         grads, outs, dtype, wire = flat_arrays(bucket)
-        layout = self._layout(bucket, dtype.itemsize)
+        layout = layout_of(self._layouts, bucket, len(self.local), self._chunk_bytes, dtype.itemsize)
         base = bucket.layers[0] * CHUNKS_PER_LAYER
         mine = [(c, start, stop) for c, (owner, start, stop) in enumerate(layout.chunks) if owner == self.me]
         # Every receive registered before anything is sent (as the flat all-reduce does).
@@ -172,14 +163,14 @@ class HierarchicalAllReduce(Syncer):
             _scatter(into, outs, layout.pieces(*layout.chunks[c][1:]))
         return SyncResult(result.bytes_sent, result.bytes_received)
 
-    async def _bounded(self, aw, bucket: Bucket, clock: int, what: str, waits: Sequence[tuple] = ()):
+    def _bounded(self, aw, bucket: Bucket, clock: int, what: str, waits: Sequence[tuple] = ()):
         """``await aw`` within the sync timeout; the error names the local ranks never heard from."""
-        try:
-            return await asyncio.wait_for(aw, self._timeout)
-        except TimeoutError:
-            late = sorted({q for q, fut in waits if fut.cancelled() or not fut.done()})
+
+        def message(late: list) -> str:
             who = f" from rank(s) {late}" if late else ""
-            raise SyncTimeout(
+            return (
                 f"rank {self.rank}: all-reduce of {bucket.label} at clock {clock}: {what}{who} did not arrive "
                 f"within {self._timeout} s; a worker on this host may be dead or stalled"
-            ) from None
+            )
+
+        return within(aw, self._timeout, list(waits), message)

@@ -20,13 +20,12 @@ import asyncio
 
 import numpy as np
 
-from ..errors import SyncTimeout
 from ..net.endpoint import silence
 from ..plan.cost import Scheme
 from ..wire import DTYPE_BY_NAME, Kind
 from .bucket import Bucket
 from .ps import PSSyncer
-from .syncer import SyncContext, Syncer, SyncResult, register
+from .syncer import SyncContext, Syncer, SyncResult, register, within
 
 HOST_KEY = 1 << 31
 
@@ -163,14 +162,14 @@ class HierarchicalPS(Syncer):
         )
         return result
 
-    async def _bounded(self, aw, bucket: Bucket, clock: int, waits):
+    def _bounded(self, aw, bucket: Bucket, clock: int, waits):
         """``await aw`` within the sync timeout; the error names the local ranks never heard from."""
-        try:
-            return await asyncio.wait_for(aw, self._timeout)
-        except TimeoutError:
-            late = sorted({q for q, fut in waits if fut.cancelled() or not fut.done()})
+
+        def message(late: list) -> str:
             who = f": nothing from its host's rank(s) {late}" if late else ""
-            raise SyncTimeout(
+            return (
                 f"rank {self.rank}: the parameter server's sync of {bucket.label} at clock {clock} did not "
                 f"complete within {self._timeout} s{who}; a worker on this host may be dead or stalled"
-            ) from None
+            )
+
+        return within(aw, self._timeout, list(waits), message)

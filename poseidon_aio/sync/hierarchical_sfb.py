@@ -21,13 +21,13 @@ import time
 
 import numpy as np
 
-from ..errors import ConfigError, SyncTimeout
+from ..errors import ConfigError
 from ..net.endpoint import silence
 from ..plan.cost import Scheme
 from ..wire import Kind, factors
 from .bucket import Bucket
 from .sfb import SFBSyncer
-from .syncer import SyncContext, Syncer, SyncResult, register
+from .syncer import SyncContext, Syncer, SyncResult, register, within
 
 _SLOTS = 1 << 16
 
@@ -53,26 +53,14 @@ class HierarchicalSFB(Syncer):
         self.host = topology.host_of(rank)
         self.me = topology.local_rank_of(rank)
         self.local = topology.local_peers(rank)
-        L = topology.local_size
         hosts = len(topology.hosts)
         if hosts >= _SLOTS:
             raise ConfigError(f"{hosts} hosts: hierarchical SFB's frame keys name at most {_SLOTS - 2}")
         self._locals = {r: peers[r] for r in self.local if r != rank}
-        # Host h's stack goes to host g from h's local rank g mod L to g's local rank h mod L.
-        self._sends_to = {
-            g: peers[topology.hosts[g][self.host % L]] for g in range(hosts) if g != self.host and g % L == self.me
-        }
-        # Where each other host's stack comes from: straight from that host, or forwarded by the
-        # local rank that receives it.
-        self._stack_from = {
-            h: peers[topology.hosts[h][self.host % L]] if h % L == self.me else peers[self.local[h % L]]
-            for h in range(hosts)
-            if h != self.host
-        }
-        self._crossing = {h for h in self._stack_from if h % L == self.me}
-        self._stack_sender = {
-            h: topology.hosts[h][self.host % L] if h in self._crossing else self.local[h % L] for h in self._stack_from
-        }
+        sends_to, comes_from, self._crossing = topology.routes(rank)
+        self._sends_to = {g: peers[q] for g, q in sends_to.items()}
+        self._stack_from = {h: peers[q] for h, q in comes_from.items()}
+        self._stack_sender = comes_from
         self._reconstruct = reconstruct
         self._executor = executor
         self._timeout = timeout
@@ -160,14 +148,14 @@ class HierarchicalSFB(Syncer):
         payload = np.frombuffer(frame.payload, dtype=np.float32)
         await asyncio.gather(*(send(conn, key, [payload]) for conn in self._locals.values()))
 
-    async def _bounded(self, aw, bucket: Bucket, clock: int, what: str, waits=()):
+    def _bounded(self, aw, bucket: Bucket, clock: int, what: str, waits=()):
         """``await aw`` within the sync timeout; the error names the ranks never heard from."""
-        try:
-            return await asyncio.wait_for(aw, self._timeout)
-        except TimeoutError:
-            late = sorted({q for q, fut in waits if fut.cancelled() or not fut.done()})
+
+        def message(late: list) -> str:
             who = f" from rank(s) {late}" if late else ""
-            raise SyncTimeout(
+            return (
                 f"rank {self.rank}: sufficient factors of layer {bucket.label} at clock {clock}: {what}{who} "
                 f"did not arrive within {self._timeout} s"
-            ) from None
+            )
+
+        return within(aw, self._timeout, list(waits), message)

@@ -21,11 +21,12 @@ information book and the cost model's explain read these attributes.
 from __future__ import annotations
 
 import abc
+import asyncio
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, ClassVar, Mapping, Optional
 
-from ..errors import ConfigError
+from ..errors import ConfigError, SyncTimeout
 from ..plan.cost import Scheme
 from .bucket import Bucket
 
@@ -113,6 +114,20 @@ class Syncer(abc.ABC):
             SyncTimeout, ConnectionLost, WorkerLeft, RemoteProtocolError: the message names the
                 layer, the clock and the peer or shard.
         """
+
+
+async def within(aw, timeout: float, waits, what: Callable[[list], str]):
+    """``await aw`` within ``timeout`` seconds.
+
+    Raises:
+        SyncTimeout: ``what(late)``, ``late`` the ranks of ``waits`` (``(rank, future)`` pairs)
+            never heard from (a wait the timeout cancelled did not arrive).
+    """
+    try:
+        return await asyncio.wait_for(aw, timeout)
+    except TimeoutError:
+        late = sorted({q for q, fut in waits if fut.cancelled() or not fut.done()})
+        raise SyncTimeout(what(late)) from None
 
 
 SYNCERS: dict = {}
