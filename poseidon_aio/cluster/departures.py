@@ -124,6 +124,9 @@ class Departures:
                 return await task
         except asyncio.CancelledError:
             task.cancel()
+            # It may end in its own error first (a peer stopped by the same signal): nobody
+            # awaits it now, so read it here.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
             raise
         except ConnectionLost as lost:
             exc = self._root_cause(lost)

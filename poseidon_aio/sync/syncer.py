@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, ClassVar, Mapping, Optional
 
 from ..errors import ConfigError, SyncTimeout
+from ..net.endpoint import silence
 from ..plan.cost import Scheme
 from .bucket import Bucket
 
@@ -123,10 +124,14 @@ async def within(aw, timeout: float, waits, what: Callable[[list], str]):
         SyncTimeout: ``what(late)``, ``late`` the ranks of ``waits`` (``(rank, future)`` pairs)
             never heard from (a wait the timeout cancelled did not arrive).
     """
+    fut = asyncio.ensure_future(aw)
+    # Cancelled with the sync (a sibling failed, SIGTERM), a gather ends holding a CancelledError
+    # that nobody awaits any more: read it here, or the loop reports it as never retrieved.
+    fut.add_done_callback(silence)
     try:
-        return await asyncio.wait_for(aw, timeout)
+        return await asyncio.wait_for(fut, timeout)
     except TimeoutError:
-        late = sorted({q for q, fut in waits if fut.cancelled() or not fut.done()})
+        late = sorted({q for q, f in waits if f.cancelled() or not f.done()})
         raise SyncTimeout(what(late)) from None
 
 
