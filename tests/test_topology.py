@@ -16,8 +16,7 @@ import torch.distributed  # noqa: F401 - as in a trainer; the rendezvous deadlin
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poseidon_aio.cluster import InformationBook, Manifest, ParamSpec
-from poseidon_aio.cluster.rendezvous import ClusterEnv, Rendezvous
+from poseidon_aio.cluster import ClusterEnv, InformationBook, Manifest, ParamSpec, Rendezvous
 from poseidon_aio.cluster.topology import Placement, Topology, tasks_per_node
 from poseidon_aio.errors import ConfigError, TopologyMismatch
 

@@ -1,17 +1,17 @@
-"""Cluster shape: the model manifest, the information book, and the rendezvous.
+"""Cluster shape: where this process runs, the model manifest, the information book, and the
+rendezvous.
 
 The rendezvous (asyncio, sockets) loads on first use, so the planners can read the book and the
 manifest without an event loop.
 """
 
 from .book import DEFAULT_CHUNK_BYTES, InformationBook, KVPair, Message
+from .launcher import ClusterEnv, advertise_host
 from .manifest import Manifest, ManifestMismatch, ParamSpec
 
 _LAZY = {
-    "ClusterEnv": "poseidon_aio.cluster.rendezvous",
     "Rendezvous": "poseidon_aio.cluster.rendezvous",
     "StartupConfig": "poseidon_aio.cluster.rendezvous",
-    "advertise_host": "poseidon_aio.cluster.rendezvous",
 }
 
 __all__ = [

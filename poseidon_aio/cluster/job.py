@@ -7,7 +7,8 @@ from typing import Optional
 from ..net import NetConfig
 from .manifest import Manifest
 from .mesh import Mesh
-from .rendezvous import ClusterEnv, Rendezvous
+from .launcher import ClusterEnv
+from .rendezvous import Rendezvous
 from .topology import Topology
 
 

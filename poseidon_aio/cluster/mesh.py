@@ -16,7 +16,8 @@ from typing import Optional
 
 from ..errors import ConnectionLost, PeerTimeout, PoseidonError, RemoteProtocolError
 from ..net import Listener, NetConfig, connect, listen
-from .rendezvous import Rendezvous, advertise_host
+from .launcher import advertise_host
+from .rendezvous import Rendezvous
 
 # While waiting for higher ranks to dial in, look at the store's abort key every 0.25 s: another
 # rank's failure reaches this one that fast, for about 4 store round trips a second.

@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 
 from ..cluster.book import InformationBook
 from ..cluster.manifest import Manifest
-from ..cluster.rendezvous import ClusterEnv, Rendezvous, StartupConfig, advertise_host
+from ..cluster.launcher import ClusterEnv, advertise_host
+from ..cluster.rendezvous import Rendezvous, StartupConfig
 from ..cluster.topology import Topology
 from ..net import LocalLink, NetConfig, connect, listen
 from ..net.credentials import config_from_env

@@ -14,7 +14,8 @@ import logging
 
 from ..cluster.book import InformationBook
 from ..cluster.manifest import Manifest
-from ..cluster.rendezvous import ClusterEnv, Rendezvous
+from ..cluster.launcher import ClusterEnv
+from ..cluster.rendezvous import Rendezvous
 from ..cluster.topology import Topology
 from ..errors import ConfigError, ManifestMismatch, PeerTimeout
 from ..net.credentials import config_from_env

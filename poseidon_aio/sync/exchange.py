@@ -110,7 +110,7 @@ class MeshExchange:
     @classmethod
     def of(cls, ctx) -> "MeshExchange":
         """The exchange of a :class:`~poseidon_aio.sync.syncer.SyncContext`."""
-        return cls(ctx.rank, ctx.world, ctx.peers, ctx.timeout, ctx.chunk_bytes, ctx.executor, ctx.topology)
+        return cls(ctx.rank, ctx.world, ctx.peers, ctx.timeout, ctx.chunk_bytes, ctx.executor, ctx.by_host)
 
     async def run(self, key: Hashable, fn: Callable, *args):
         """``fn(*args)``, a recurring piece of work known by ``key``: on the executor (NumPy

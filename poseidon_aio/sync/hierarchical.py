@@ -77,8 +77,8 @@ class HierarchicalAllReduce(Syncer):
 
     @classmethod
     def build(cls, ctx: SyncContext) -> Syncer:
-        topology = ctx.topology
-        if topology is None or topology.local_size == 1:
+        topology = ctx.by_host
+        if topology is None:
             return AllReduceSyncer.build(ctx)
         return cls(ctx.rank, topology, ctx.peers, ctx.timeout, ctx.chunk_bytes, ctx.allreduce)
 

@@ -51,7 +51,6 @@ class HierarchicalSFB(Syncer):
         self.rank = rank
         self.topology = topology
         self.host = topology.host_of(rank)
-        self.me = topology.local_rank_of(rank)
         self.local = topology.local_peers(rank)
         hosts = len(topology.hosts)
         if hosts >= _SLOTS:
@@ -67,8 +66,8 @@ class HierarchicalSFB(Syncer):
 
     @classmethod
     def build(cls, ctx: SyncContext) -> Syncer:
-        topology = ctx.topology
-        if topology is None or topology.local_size == 1:
+        topology = ctx.by_host
+        if topology is None:
             return SFBSyncer.build(ctx)
         return cls(ctx.rank, topology, ctx.peers, ctx.reconstruct, ctx.executor, ctx.timeout)
 

@@ -81,6 +81,12 @@ class SyncContext:
     feedback: object = None
     topology: object = None
 
+    @property
+    def by_host(self):
+        """``topology`` where its hosts run several workers each (the schemes by host), else ``None``."""
+        topology = self.topology
+        return topology if topology is not None and topology.local_size > 1 else None
+
 
 class Syncer(abc.ABC):
     """Synchronizes buckets of one scheme."""

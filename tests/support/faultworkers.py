@@ -25,7 +25,7 @@ from typing import Optional
 
 import numpy as np
 
-from poseidon_aio.cluster.rendezvous import ClusterEnv, Rendezvous
+from poseidon_aio.cluster import ClusterEnv, Rendezvous
 from poseidon_aio.errors import (
     ConnectionLost,
     PeerTimeout,
