@@ -29,6 +29,13 @@ Schemes:
   reverse parameter order); a bucket goes when its last gradient is ready, one bucket at a time,
   2 (P - 1) steps of b / P each, every step ``alpha + (b / P) beta``.
 
+Hosts of L workers each (``hosts``): the links are the hosts', and each scheme crosses them as
+the syncers by host do, as H workers would: the PS one push and reply per host and message (the
+book's shards those of H nodes), the all-reduce the hosts' ring or direct pattern on the whole
+bucket (L rings on 1/L of it share the host's link), SFB a host's K L stacked rows once to every
+peer host, rebuilt from all P K rows. Before its network part a unit pays the reduce inside the
+host, after it the gather there (``cost.predicted_time``'s terms inside the host on ``inside``).
+
 Fan-in, the senders ``n`` a pattern feeds a down-link with: P - 1 for an SFB exchange or a direct
 all-reduce's parts, one for a ring's step and DDP's. A shard's pushes: (P - 1) / k, at least one,
 where the layer's (or merge group's) messages span k shards: each worker pushes to the k shards at
@@ -49,14 +56,14 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from ...cluster.book import InformationBook
 from ...cluster.manifest import Manifest, ParamSpec
 from ...wire import Kind, factors
-from ..cost import LayerKind, LayerShape, Scheme, goes_round_ring
+from ..cost import Hosts, LayerKind, LayerShape, Link, Scheme, goes_round_ring
 from ..hybcomm import Mode
 from ..mgwfbp import ddp_buckets
 from ..models import Trace
@@ -156,9 +163,14 @@ class Simulation:
         chunk_bytes: int,
         allreduce: str = "auto",
         naive: bool = False,
+        hosts: Optional[Hosts] = None,
     ) -> None:
         self.layers = layers
-        self.P = workers
+        self.P = workers  # the nodes on the network: workers, or hosts where they run several each
+        # Hosts of L workers: a host's aggregate crosses its link once (the syncers by host), on
+        # either side a term inside the host (``_inside``); the SFB rebuild takes every worker's rows.
+        self.local = hosts.local if hosts is not None else 1
+        self.inside = hosts.inside if hosts is not None else Link(0.0, 0.0)
         self.naive = naive  # every PS message at the end of the backward: the replies' fan-in is every shard
         self.rate = rate
         self.chunk_bytes = chunk_bytes
@@ -170,6 +182,7 @@ class Simulation:
         self._events: list = []
         self._seq = 0
         self._gemm = np.zeros(workers)
+        self._after: dict = {}  # unit -> seconds inside the host after its network part
 
     def at(self, t: float, fn: Callable, *args) -> None:
         heapq.heappush(self._events, (t, self._seq, fn, args))
@@ -192,7 +205,25 @@ class Simulation:
         return self.unit_done[self.unit_of]
 
     def _finish(self, unit: int, when: np.ndarray) -> None:
-        np.maximum(self.unit_done[unit], when, out=self.unit_done[unit])
+        np.maximum(self.unit_done[unit], when + self._after.get(unit, 0.0), out=self.unit_done[unit])
+
+    def inside_terms(self, unit: int, scheme: Scheme, members: Sequence[int]) -> float:
+        """Seconds a unit spends inside the host before its network part (returned) and after it
+        (kept for :meth:`_finish`): ``cost.predicted_time``'s terms inside the host, halved
+        between a reduce before and a gather after (SFB: the host's own factors before, the other
+        hosts' stacks after)."""
+        if self.local == 1:
+            return 0.0
+        L, alpha, beta = self.local, self.inside.alpha, self.inside.beta
+        if scheme is Scheme.SFB:
+            shape = self.layers[members[0]].shape
+            rows = float(factors.nbytes(shape.rows, shape.m, shape.n))
+            before, after = alpha + beta * rows * (L - 1), alpha + beta * rows * (L - 1) * (self.P - 1)
+        else:  # PS and all-reduce: a reduce-scatter inside the host, an all-gather after
+            nbytes = sum(self.layers[i].nbytes for i in members)
+            before = after = alpha + beta * nbytes * (L - 1) / L
+        self._after[unit] = after
+        return before
 
     # -- PS -------------------------------------------------------------------------------------
 
@@ -214,7 +245,9 @@ class Simulation:
         # sync.allreduce's layout: the bucket's elements cut into P nearly equal owner slices,
         # each sent in chunks of at most chunk_bytes.
         elements = sum(self.layers[i].nbytes for i in members) // ITEMSIZE
-        if goes_round_ring(elements * ITEMSIZE, self.P, self.algorithm) and elements >= self.P:
+        # By host, each of the L local ranks runs the hosts' ring on 1/L of the bucket; their L
+        # rings share the host's link, as one ring of the whole bucket does.
+        if goes_round_ring(elements * ITEMSIZE // self.local, self.P, self.algorithm) and elements >= self.P:
             share = -(-elements // self.P) * ITEMSIZE
             self._ring_step(t, unit, 0, float(share), -(-share // self.chunk_bytes))
             return
@@ -243,10 +276,11 @@ class Simulation:
 
     def sfb(self, t: float, unit: int, index: int) -> None:
         shape = self.layers[index].shape
-        size = float(factors.nbytes(shape.rows, shape.m, shape.n))
+        # By host, a host's L workers' factors go stacked, K L rows.
+        size = float(factors.nbytes(shape.rows * self.local, shape.m, shape.n))
         arrived = self.links.exchange(t, np.full(self.P, size), np.ones(self.P, dtype=np.int64), Kind.FACTORS)
         # One GEMM over all ranks' rows: (P K x M)^T (P K x N).
-        gemm = 2.0 * self.P * shape.rows * shape.m * shape.n / self.rate
+        gemm = 2.0 * self.P * self.local * shape.rows * shape.m * shape.n / self.rate
         self._gemm = np.maximum(self._gemm, arrived) + gemm
         self._finish(unit, self._gemm)
 
@@ -317,25 +351,31 @@ def run_plan(
     groups: dict,
     spread_bytes: int,
     allreduce: str = "auto",
+    hosts: Optional[Hosts] = None,
 ) -> Simulation:
     """One iteration of ``layers`` (scheme and ready times set) with each of ``groups``
-    (``{scheme: [(layer index, ...), ...]}``) travelling as one message; ``mode`` as the trainer's."""
-    sim = Simulation(layers, workers, rate, net, chunk_bytes, allreduce, naive=mode == Mode.NAIVE.value)
+    (``{scheme: [(layer index, ...), ...]}``) travelling as one message; ``mode`` as the trainer's.
+    ``workers``: the nodes on the network (the hosts, with ``hosts`` of several workers each)."""
+    sim = Simulation(layers, workers, rate, net, chunk_bytes, allreduce, naive=mode == Mode.NAIVE.value, hosts=hosts)
     ps_groups = groups.get(Scheme.PS, [])
     messages = _ps_messages(layers, ps_groups, workers, chunk_bytes, spread_bytes)
     end_of_backward = sum(layer.forward + layer.backward for layer in layers)
-    starts = []  # (ready, order, fn, args)
+    starts = []  # (ready, order, seconds inside the host first, fn, args)
+
+    def start(members: Sequence[int], scheme: Scheme, fn: Callable, *args) -> None:
+        unit = sim.unit(members)
+        ready = max(layers[i].ready for i in members)
+        starts.append((ready, -min(members), sim.inside_terms(unit, scheme, members), fn, (unit, *args)))
+
     for g, members in enumerate(ps_groups):
-        starts.append((max(layers[i].ready for i in members), -min(members), sim.ps, (sim.unit(members), messages[g])))
+        start(members, Scheme.PS, sim.ps, messages[g])
     for members in groups.get(Scheme.ALLREDUCE, []):
-        starts.append(
-            (max(layers[i].ready for i in members), -min(members), sim.allreduce, (sim.unit(members), tuple(members)))
-        )
+        start(members, Scheme.ALLREDUCE, sim.allreduce, tuple(members))
     for layer in layers:
         if layer.scheme is Scheme.SFB:
-            starts.append((layer.ready, -layer.index, sim.sfb, (sim.unit((layer.index,)), layer.index)))
+            start((layer.index,), Scheme.SFB, sim.sfb, layer.index)
     # Backward order (output first) among equal times; naive: everything once the backward is over.
-    for ready, order, fn, args in sorted(starts, key=lambda s: (s[0], s[1])):
-        sim.at(end_of_backward if mode == Mode.NAIVE.value else ready, fn, *args)
+    for ready, order, first, fn, args in sorted(starts, key=lambda s: (s[0], s[1])):
+        sim.at((end_of_backward if mode == Mode.NAIVE.value else ready) + first, fn, *args)
     sim.run()
     return sim

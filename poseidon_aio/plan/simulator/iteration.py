@@ -26,7 +26,7 @@ import numpy as np
 from ...cluster.book import DEFAULT_CHUNK_BYTES, spread_bytes_for
 from ...errors import ConfigError
 from ...wire import Kind
-from ..cost import ALLREDUCE_ALGORITHMS, HYBCOMM_SCHEMES, Link, Scheme
+from ..cost import ALLREDUCE_ALGORITHMS, HYBCOMM_SCHEMES, Hosts, Link, Scheme
 from ..hybcomm import Mode, PlanLayer, choose_schemes
 from ..merging import BEST_PLANNERS, CALIBRATION_SIZES, MergeConfig, MergeKind, MergePlanner, link_of
 from ..models import Trace
@@ -105,6 +105,11 @@ class Simulator:
         layer_overhead: seconds every layer's forward, and its backward, take beyond its FLOPs at
             ``rate`` (the framework's per-layer cost: hooks, dispatch, a replay's timer): what makes
             a model of 300 small layers slower than its FLOPs say (default 0).
+        hosts: :class:`~poseidon_aio.plan.cost.Hosts` of several workers each (``hosts.workers``
+            must be ``workers``): ``link`` is then a host's, and every scheme crosses it once per
+            host, as the trainer's syncers by host do (``simulator.events``); HybComm weighs them
+            so. DDP's ring over all ``workers`` in rank order crosses a host's link once a step,
+            as a flat job's does.
     Raises:
         ConfigError: a number out of range, an unknown mode or scheme, an empty trace.
 
@@ -132,6 +137,7 @@ class Simulator:
         rows: Optional[int] = None,
         efficiency: Optional[FlowEfficiency] = None,
         layer_overhead: float = 0.0,
+        hosts: Optional[Hosts] = None,
     ) -> None:
         if not isinstance(trace, Trace):
             raise ConfigError(
@@ -155,6 +161,8 @@ class Simulator:
             raise ConfigError(f"layer_overhead must be finite and >= 0 seconds, got {layer_overhead!r}")
         if not len(trace):
             raise ConfigError("the trace has no layers")
+        if hosts is not None and (not isinstance(hosts, Hosts) or hosts.workers != workers):
+            raise ConfigError(f"hosts must be a Hosts of {workers} workers in all, got {hosts!r}")
         try:
             self.hybcomm = tuple(Scheme(c) for c in hybcomm)
             costed = frozenset(Kind(k) for k in costed) if costed is not None else None
@@ -173,11 +181,14 @@ class Simulator:
             )
         self.net = (link, costed, bool(ingress), float(latency), efficiency)
         self.layer_overhead = float(layer_overhead)
+        self.hosts = hosts if hosts is not None and hosts.local > 1 else None
+        # The nodes on the network: the hosts where they run several workers each.
+        self.nodes = self.hosts.hosts if self.hosts is not None else self.workers
         self.layers = layers_of(trace, self.rows, self.rate, self.layer_overhead)
-        self.calibration = _calibration(self.net) if self.workers > 1 else []
+        self.calibration = _calibration(self.net) if self.nodes > 1 else []
         measured = link_of(self.calibration)
         # The trainer spreads its merge groups over the shards by its measured link.
-        self.spread_bytes = spread_bytes_for(measured.alpha, measured.beta, self.workers)
+        self.spread_bytes = spread_bytes_for(measured.alpha, measured.beta, self.nodes)
         if self.workers > 1 and mode != DDP:
             chosen = choose_schemes(
                 [PlanLayer(layer.shape, layer.factorable) for layer in self.layers],
@@ -188,6 +199,7 @@ class Simulator:
                 link=measured,
                 candidates=self.hybcomm,
                 chunk_bytes=chunk_bytes,
+                hosts=self.hosts,
             )
             for layer in self.layers:
                 layer.scheme = Scheme(chosen[layer.name])
@@ -218,7 +230,9 @@ class Simulator:
         if self.workers == 1:
             return self._result(None, {}, {}, np.full((len(layers), 1), self.compute))
         if self.mode == DDP:
-            sim = Simulation(layers, self.workers, self.rate, self.net, self.chunk_bytes)
+            # gloo's ring over every rank: on one host it never leaves it.
+            net = (self.hosts.inside, *self.net[1:]) if self.hosts is not None and self.nodes == 1 else self.net
+            sim = Simulation(layers, self.workers, self.rate, net, self.chunk_bytes)
             sim.ddp(ddp_bucket_layers(layers))
             return self._result(sim, {}, {}, sim.done)
         groups = {s: [(layer.index,) for layer in layers if layer.scheme is s] for s in self.mergeable}
@@ -266,7 +280,7 @@ class Simulator:
         """One iteration of ``layers`` with these merge ``groups``, on this simulator's cluster."""
         return run_plan(
             layers,
-            self.workers,
+            self.nodes,
             self.rate,
             self.net,
             self.chunk_bytes,
@@ -274,6 +288,7 @@ class Simulator:
             groups,
             self.spread_bytes,
             self.allreduce,
+            self.hosts,
         )
 
     def _result(self, sim, groups: dict, plans: dict, done: np.ndarray) -> Iteration:
