@@ -17,6 +17,7 @@ BENCHES = {
     "paper": "bench.paper",
     "patterns": "bench.patterns",
     "accuracy": "bench.accuracy",
+    "hosts": "bench.hosts",
 }
 
 

@@ -51,8 +51,9 @@ def impl_variant(impl: str) -> tuple:
     """``bench.parse_impl`` with this bench's settings: ours ``chunk``, ``merge``, ``allreduce``,
     ``hybcomm`` (as ``ps+allreduce``), ``early`` (``OptimizerConfig.early_step_bytes``, 0: off),
     ``loop=own`` (the user's own loop: ``loss.backward()``, ``await trainer.synchronize()``,
-    ``opt.step()``, instead of ``await trainer.step(batch)``); DDP's ``sparse=1``."""
-    ours = {"chunk", "merge", "allreduce", "hybcomm", "early", "loop"}
+    ``opt.step()``, instead of ``await trainer.step(batch)``), ``hosts`` (``Trainer(hosts=...)``,
+    bench hosts); DDP's ``sparse=1``."""
+    ours = {"chunk", "merge", "allreduce", "hybcomm", "early", "loop", "hosts"}
     return parse_impl(impl, {"ddp": {"sparse"}, **{m: ours for m in IMPLS if m != "ddp"}})
 
 
@@ -74,6 +75,16 @@ def worker(cfg: dict) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     total = cfg["warmup"] + cfg["steps"]
     times, cpu, loop_cpu, extra = [], [], [], {}
+    # bench hosts: a host's first worker reads its link's interface counters over the timed steps.
+    counting = cfg.get("iface") and os.environ.get("LOCAL_RANK", "0") == "0"
+    iface = {}
+
+    def read_iface(when: str) -> None:
+        if counting:
+            for way in ("tx", "rx"):
+                with open(f"/sys/class/net/{cfg['iface']}/statistics/{way}_bytes") as f:
+                    iface[(when, way)] = int(f.read())
+
     if impl_variant(cfg["impl"])[0] == "ddp":
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
@@ -88,13 +99,16 @@ def worker(cfg: dict) -> None:
         # timed: a barrier before every step would leave out of DDP's step the time a rank waits
         # for a slower one (3-4 ms of the transformer's 46 at 4 workers, 1 Gbit).
         dist.barrier()
-        for _ in range(total):
+        for t in range(total):
+            if t == cfg["warmup"]:
+                read_iface("start")
             started, cpu0 = time.perf_counter(), time.process_time()
             opt.zero_grad()
             loss_fn(ddp(mine[0]), mine[1]).backward()
             opt.step()
             times.append(time.perf_counter() - started)
             cpu.append(time.process_time() - cpu0)
+        read_iface("end")
         dist.barrier()
     else:
         import poseidon_aio
@@ -141,10 +155,13 @@ def worker(cfg: dict) -> None:
                 merge=merge,
                 allreduce=allreduce,
                 optimizer_config=early,
+                hosts=variant.get("hosts", "launcher"),
                 **hybcomm,
             ) as trainer:
                 own = variant.get("loop") == "own"
                 for t in range(total):
+                    if t == cfg["warmup"]:
+                        read_iface("start")
                     started, cpu0, loop0 = time.perf_counter(), time.process_time(), trainer.loop_cpu_s
                     if own:  # as a DDP user's loop, on this thread
                         opt.zero_grad()
@@ -158,6 +175,7 @@ def worker(cfg: dict) -> None:
                     loop_cpu.append(trainer.loop_cpu_s - loop0)  # the trainer's event loop thread
                     if t == 0 and replayed:  # the layers synced by factors compute no weight gradient
                         skip_weight_grad(model, [n for n, s in stats[0].schemes.items() if s in ("sfb", "adam")])
+                read_iface("end")
                 return stats, trainer.merge_groups, trainer.merge_info
 
         stats, groups, info = poseidon_aio.run(main())
@@ -171,6 +189,8 @@ def worker(cfg: dict) -> None:
             "bytes": statistics.median(sum(s.bytes.values()) for s in stats),
             "loop_cpu_s": statistics.median(loop_cpu[cfg["warmup"] :]),
         }
+    if counting:
+        extra["iface"] = {way: iface[("end", way)] - iface[("start", way)] for way in ("tx", "rx")}
     with open(cfg["out"], "w") as f:
         json.dump({"times": times[cfg["warmup"] :], "cpu": cpu[cfg["warmup"] :], **extra}, f)
     # gloo's teardown can hang once peers are gone; the result is written, leave at once.

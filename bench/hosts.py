@@ -1,0 +1,183 @@
+"""``python -m bench hosts``: hosts of several workers, each crossing its link once, against the same
+library flat and DDP.
+
+Every emulated host is a network namespace whose link tc tbf caps in both directions (nothing is
+capped inside a host: its workers reach each other over the namespace's own addresses, which the
+kernel delivers without the link); each host's L workers are started by one torchrun per host
+(``--nnodes H --node-rank h``, static rendezvous on host 0). Implementations, interleaved:
+``poseidon`` (by host), ``poseidon:hosts=flat`` (every worker a peer of its own) and ``ddp``
+(gloo, its defaults), on bench train's models with replayed or real compute (bench/train.py).
+
+Reported per row: the step (the slowest rank's, median over the timed steps, median over the
+repeats), and the bytes each host's link carried a step, each way, read from the host's interface
+counters (``/sys/class/net/eth0/statistics``) by its local rank 0 over the timed steps, not
+counted by us. The last line is one JSON object: ``max_bytes_vs_flat`` (the largest ratio of a
+row's bytes by host to flat), ``min_speedup_vs_ddp`` and the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench import BENCH_TOKEN, free_port
+
+RATES = {"1gbit": 1e9 / 8, "100mbit": 100e6 / 8}
+
+
+def worker(cfg: dict) -> None:
+    """One rank under torchrun: bench train's worker, its place from torchrun's environment."""
+    from bench.train import worker as train_worker
+
+    rank = int(os.environ["RANK"])
+    train_worker({**cfg, "rank": rank, "world": int(os.environ["WORLD_SIZE"]), "out": cfg["out"] % rank})
+
+
+def run(impl: str, model: str, compute: str, link: str, hosts: int, local: int, args) -> dict:
+    """One run of ``impl``: H namespaces, one torchrun each; the ranks' results and bytes."""
+    from bench import netns
+
+    cfg = dict(
+        impl=impl,
+        model=model,
+        compute=compute,
+        tflops=args.device_tflops,
+        warmup=args.warmup,
+        steps=args.steps,
+        allreduce="auto",
+        merge=None,
+        group_spread_bytes=None,
+        iface="eth0",
+    )
+    world = hosts * local
+    with tempfile.TemporaryDirectory(prefix="bench-hosts-") as tmp, netns.hosts(hosts, link) as names:
+        cfg["out"] = os.path.join(tmp, "rank%d.json")
+        port = free_port()
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "GLOO_SOCKET_IFNAME": "eth0",
+            "PYTHONPATH": os.getcwd(),
+            "POSEIDON_TOKEN": BENCH_TOKEN,
+        }
+        procs, errs = [], []
+        for h, ns in enumerate(names):
+            command = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run"]
+            command += ["--nnodes", str(hosts), "--node-rank", str(h), "--nproc-per-node", str(local)]
+            command += ["--master-addr", netns.address(0), "--master-port", str(port)]
+            command += ["-m", "bench.hosts", "--worker", json.dumps(cfg)]
+            errs.append(open(os.path.join(tmp, f"host{h}.err"), "w+"))
+            procs.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=errs[-1]))
+        deadline = time.monotonic() + args.timeout
+        try:
+            for p in procs:
+                p.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{impl} {model} {hosts}x{local} on {link} did not finish in {args.timeout} s") from None
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        failed = [h for h, p in enumerate(procs) if p.returncode != 0]
+        if failed:
+            errs[failed[0]].seek(0)
+            tail = errs[failed[0]].read()[-2000:]
+            raise RuntimeError(f"{impl} {model} {hosts}x{local} on {link}: host {failed[0]} failed:\n...{tail}")
+        for f in errs:
+            f.close()
+        ranks = []
+        for r in range(world):
+            with open(cfg["out"] % r) as f:
+                ranks.append(json.load(f))
+    steps = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
+    leaders = [ranks[h * local] for h in range(hosts)]  # torchrun's static ranks: host h's first is h * L
+    per_step = [max(r["iface"]["tx"], r["iface"]["rx"]) / args.steps for r in leaders]
+    return {"step_s": statistics.median(steps), "host_bytes": max(per_step), "schemes": ranks[0].get("schemes")}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m bench hosts", description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--links", default="100mbit,1gbit")
+    parser.add_argument("--compute", default="replayed,real")
+    parser.add_argument("--models", default="cnn,resnet,transformer,fc")
+    parser.add_argument("--layouts", default="2x2", help="hosts x workers a host, e.g. 2x2,2x3,3x2")
+    parser.add_argument("--impls", default="ddp,poseidon,poseidon:hosts=flat")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=19)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device-tflops", type=float, default=6.0)
+    parser.add_argument("--timeout", type=float, default=900)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return {}
+    from bench import netns
+
+    capped, why = netns.available()
+    if not capped:
+        raise SystemExit(f"bench hosts needs network namespaces and tc ({why})")
+    impls = args.impls.split(",")
+    rows = []
+    for link in args.links.split(","):
+        for compute in args.compute.split(","):
+            for model in args.models.split(","):
+                for layout in args.layouts.split(","):
+                    hosts, local = (int(x) for x in layout.split("x"))
+                    runs = {impl: [] for impl in impls}
+                    for _ in range(args.repeats):
+                        for impl in impls:
+                            runs[impl].append(run(impl, model, compute, link, hosts, local, args))
+                    rows.append(_row(link, compute, model, layout, runs))
+                    print(_line(rows[-1]), flush=True)
+    summary = {
+        "bench": "hosts",
+        "max_bytes_vs_flat": max((r["bytes_vs_flat"] for r in rows if r.get("bytes_vs_flat")), default=None),
+        "min_speedup_vs_ddp": min((r["vs_ddp"] for r in rows if r.get("vs_ddp")), default=None),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "rows": rows,
+    }
+    print(json.dumps(summary))
+    return summary
+
+
+def _row(link, compute, model, layout, runs) -> dict:
+    row = {"link": link, "compute": compute, "model": model, "layout": layout}
+    for impl, got in runs.items():
+        row[impl] = {
+            "step_s": statistics.median(g["step_s"] for g in got),
+            "host_bytes": statistics.median(g["host_bytes"] for g in got),
+        }
+    ours, flat, ddp = runs.get("poseidon"), runs.get("poseidon:hosts=flat"), runs.get("ddp")
+    if ours and flat:
+        row["bytes_vs_flat"] = row["poseidon"]["host_bytes"] / row["poseidon:hosts=flat"]["host_bytes"]
+    if ours and ddp:  # the median of the repeats' ratios, and their range
+        ratios = sorted(d["step_s"] / o["step_s"] for o, d in zip(ours, ddp))
+        row["vs_ddp"] = statistics.median(ratios)
+        row["vs_ddp_range"] = [ratios[0], ratios[-1]]
+    return row
+
+
+def _line(row: dict) -> str:
+    cells = [row["link"], row["compute"], row["model"], row["layout"]]
+    for impl in ("ddp", "poseidon", "poseidon:hosts=flat"):
+        if impl in row:
+            cells.append(f"{impl} {row[impl]['step_s'] * 1e3:.1f} ms, {row[impl]['host_bytes'] / 1e6:.2f} MB/host/step")
+    if "bytes_vs_flat" in row:
+        cells.append(f"bytes by host / flat {row['bytes_vs_flat']:.2f}")
+    if "vs_ddp" in row:
+        lo, hi = row["vs_ddp_range"]
+        cells.append(f"vs DDP {row['vs_ddp']:.2f} ({lo:.2f}-{hi:.2f})")
+    return "| " + " | ".join(cells) + " |"
+
+
+if __name__ == "__main__":
+    main()
