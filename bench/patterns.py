@@ -178,13 +178,17 @@ def main(argv=None) -> dict:
             f"{world} workers, {link}, {args.mib} MiB all-reduced each, plain asyncio sockets: "
             f"seconds (median over {args.repeats} of the slowest rank, per round)",
             "",
-            "| pattern | " + " | ".join(f"round {i + 1}" for i in range(args.rounds)) + " | ÷ bound |",
+            "| pattern | "
+            + " | ".join(f"round {i + 1}" for i in range(args.rounds))
+            + " | ÷ bound (rounds' min–max) |",
             "|---|" + "---|" * (args.rounds + 1),
         ]
         for pattern in PATTERNS:
             ratio = statistics.median(medians[pattern]) / bound
             summary[f"{pattern}_over_bound_{link}"] = round(ratio, 3)
-            lines.append(f"| {pattern} | " + " | ".join(f"{m:.3f}" for m in medians[pattern]) + f" | {ratio:.2f} |")
+            lo, hi = min(medians[pattern]) / bound, max(medians[pattern]) / bound
+            cells = " | ".join(f"{m:.3f}" for m in medians[pattern])
+            lines.append(f"| {pattern} | {cells} | {ratio:.2f} ({lo:.2f}–{hi:.2f}) |")
         lines += [f"bound: {bound:.3f} s", ""]
     print("\n".join(lines))
     result = {

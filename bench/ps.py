@@ -280,7 +280,8 @@ def main(argv=None) -> dict:
         else:
             per_rank = launch("bench.ps", args.workers, cfg, timeout=args.timeout, what=f"bench ps on {link}")
         lines += [
-            f"Aggregation across {args.workers} processes, {link}, seconds (median over {repeats} of the slowest rank)",
+            f"Aggregation across {args.workers} processes, {link}, seconds (median over {repeats} of the slowest "
+            "rank); ratios: of the medians, with the min-max of the repeats' own ratios",
             "gloo per tensor makes one all_reduce a tensor, as a naive caller does; gloo coalesced one a DDP",
             "bucket (1 MiB first, then 25 MiB, tensors in reverse order), as DDP does. Ratios against each.",
             "",
@@ -290,10 +291,16 @@ def main(argv=None) -> dict:
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for n, (name, shapes, _) in enumerate(cases):
-            med = {}
+            med, runs = {}, {}
             for impl in IMPLS:
-                per_repeat = [max(r[f"{n}:{name}"][impl][i] for r in per_rank) for i in range(repeats)]
-                med[impl] = statistics.median(per_repeat)
+                runs[impl] = [max(r[f"{n}:{name}"][impl][i] for r in per_rank) for i in range(repeats)]
+                med[impl] = statistics.median(runs[impl])
+
+            def spread(ours: str, base: str) -> str:
+                """The ratio of the medians, and the min-max of the repeats' own ratios."""
+                each = [o / b for o, b in zip(runs[ours], runs[base])]
+                return f"{med[ours] / med[base]:.2f} ({min(each):.2f}–{max(each):.2f})"
+
             ratio, ar_ratio, direct_ratio = (
                 med["ps"] / med["gloo"],
                 med["allreduce"] / med["gloo"],
@@ -312,8 +319,9 @@ def main(argv=None) -> dict:
             lines.append(
                 f"| {name} | {len(shapes)} / {len(ddp_buckets(shapes))} | {med['gloo']:.3f} "
                 f"| {med['gloo_coalesced']:.3f} | {med['ps']:.3f} | {med['allreduce']:.3f} | {med['direct']:.3f} "
-                f"| {ratio:.2f} | {ar_ratio:.2f} | {direct_ratio:.2f} "
-                f"| {coal['ps']:.2f} | {coal['allreduce']:.2f} | {coal['direct']:.2f} |"
+                f"| {spread('ps', 'gloo')} | {spread('allreduce', 'gloo')} | {spread('direct', 'gloo')} "
+                f"| {spread('ps', 'gloo_coalesced')} | {spread('allreduce', 'gloo_coalesced')} "
+                f"| {spread('direct', 'gloo_coalesced')} |"
             )
         lines.append("")
     table8, mm8, tf8 = shard_load_table(8)

@@ -205,21 +205,24 @@ def main(argv=None) -> dict:
                 order = impls[r % len(impls) :] + impls[: r % len(impls)]
                 for impl in order:
                     runs[impl].append(measure(impl, senders, frame, args.volume_mib * MiB))
-            results[(senders, frame)] = {impl: statistics.median(v) for impl, v in runs.items()}
+            results[(senders, frame)] = runs
 
     lines = [
-        f"Transport throughput, GiB/s received (median of {args.repeats}; {args.volume_mib} MiB per run)",
+        f"Transport throughput, GiB/s received (median of {args.repeats}; {args.volume_mib} MiB per run); "
+        "ratio: of the medians, with the min-max of the runs' own ratios (each run beside plain's in its turn)",
         "",
         "| senders | frame | plain sockets | ours, python codec | ratio | ours, cython codec | ratio |",
         "|---|---|---|---|---|---|---|",
     ]
     summary: dict = {}
-    for (senders, frame), r in results.items():
+    for (senders, frame), runs in results.items():
+        r = {impl: statistics.median(v) for impl, v in runs.items()}
         plain = r["plain"]
         cells = []
         for impl in ("python", "cython"):
             if impl in r:
-                cells += [f"{r[impl]:.2f}", f"{r[impl] / plain:.2f}"]
+                each = [o / p for o, p in zip(runs[impl], runs["plain"])]
+                cells += [f"{r[impl]:.2f}", f"{r[impl] / plain:.2f} ({min(each):.2f}–{max(each):.2f})"]
                 summary[f"ratio_{senders}to1_{_size(frame)}_{impl}"] = round(r[impl] / plain, 3)
             else:
                 cells += ["n/a", "n/a"]
