@@ -206,21 +206,67 @@ def _hosts_job(commands: list, env: dict) -> list:
 
 
 @pytest.mark.slow
-def test_a_job_over_two_hosts_starts_from_each_host_and_agrees():
-    # 2 hosts x 2 workers, each host's `poseidon-aio run --nnodes 2 --node-rank i` started on its
-    # own (here both on loopback): the topology reaches every rank, and SFB and all-reduce between
-    # the hosts leave every replica equal.
+@pytest.mark.parametrize("launcher", ["poseidon-aio run", "torchrun c10d"])
+def test_a_job_over_two_hosts_starts_from_each_host_and_agrees(launcher):
+    # 2 hosts x 2 workers, each host's launcher started on its own (here both on loopback): the
+    # topology reaches every rank, and SFB and all-reduce between the hosts leave every replica equal.
     from .support.cluster import JOB_TOKEN, free_port
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "POSEIDON_TOKEN": JOB_TOKEN, "OMP_NUM_THREADS": "1"}
     port = free_port()
-    commands = [
-        [sys.executable, "-m", "poseidon_aio.cli", "run", "--nnodes", "2", "--node-rank", str(i)]
-        + ["--master-addr", "127.0.0.1", "--master-port", str(port), "-n", "2", "tests/data/hosts_job.py"]
-        for i in range(2)
-    ]
+    if launcher == "poseidon-aio run":
+        commands = [
+            [sys.executable, "-m", "poseidon_aio.cli", "run", "--nnodes", "2", "--node-rank", str(i)]
+            + ["--master-addr", "127.0.0.1", "--master-port", str(port), "-n", "2", "tests/data/hosts_job.py"]
+            for i in range(2)
+        ]
+    else:
+        commands = [
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
+            + ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "hosts-test"]
+            + ["tests/data/hosts_job.py"]
+            for _ in range(2)
+        ]
     lines = _hosts_job(commands, env)
     assert len(lines) == 4, lines
     hosts = {line.split(" hosts ")[1].split(" digest ")[0] for line in lines}
     digests = {line.split(" digest ")[1] for line in lines}
     assert hosts == {"[[0, 1], [2, 3]]"} and len(digests) == 1, lines
+
+
+@pytest.mark.slow
+def test_the_slurm_example_starts_one_torchrun_a_host(tmp_path):
+    # examples/slurm.sbatch under stand-ins for srun (one task a node, all on this machine, each
+    # with its own SLURM_NODEID) and scontrol: 2 hosts x 2 workers agree, as with torchrun.
+    from .support.cluster import JOB_TOKEN, free_port
+
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\necho 127.0.0.1\n")
+    (shims / "srun").write_text(
+        "#!/bin/bash\n"
+        "while [[ $1 == --* ]]; do shift; done\n"
+        "pids=()\n"
+        'for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" & pids+=($!); done\n'
+        'rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done; exit $rc\n'
+    )
+    for shim in shims.iterdir():
+        shim.chmod(0o755)
+    token = tmp_path / "token"
+    token.write_text(JOB_TOKEN)
+    token.chmod(0o600)
+    env = {
+        **os.environ,
+        "PATH": f"{shims}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "node[0-1]",
+        "MASTER_PORT": str(free_port()),
+        "NPROC": "2",
+        "POSEIDON_TOKEN_FILE": str(token),
+    }
+    env.pop("POSEIDON_TOKEN", None)
+    lines = _hosts_job([["bash", "examples/slurm.sbatch", "tests/data/hosts_job.py"]], env)
+    assert len(lines) == 4, lines
+    assert {line.split(" hosts ")[1].split(" digest ")[0] for line in lines} == {"[[0, 1], [2, 3]]"}
+    assert len({line.split(" digest ")[1] for line in lines}) == 1, lines

@@ -292,6 +292,40 @@ def test_a_trainer_under_torchrun_multi_node_knows_its_hosts_and_stays_exact():
     assert 0.4 < hosts / flat < 0.6, (hosts, flat)
 
 
+def _layout_env(hosts: int, local: int):
+    def launcher(rank: int) -> dict:
+        return {k: v for k, v in torchrun_env(rank, hosts, local).items() if k not in TORCHRUN}
+
+    return launcher
+
+
+@pytest.mark.parametrize("hosts, local", [(1, 2), (2, 3), (3, 1)])
+def test_every_scheme_by_host_equals_one_process_on_other_layouts(hosts, local):
+    # Real processes on loopback given host identities as torchrun multi-node would (2 x 2 is the
+    # test above): SFB, all-reduce and PS side by side equal one process, fp16's replicas are
+    # the same bits, on one host of two, two of three, and three of one (flat: every host one).
+    from .support.cluster import run_workers
+    from .support.trainworkers import run_failures, single_process, train_worker
+
+    spec = {"kind": "mlp", "inputs": 20, "hidden": [48, 32], "classes": 4}
+    workers, seed, steps, size = hosts * local, 5, 3, 4
+    runs = [
+        ("mixed", "poseidon", "mixed"),
+        ("fp16", "poseidon", {"0": "fp16", "2": "fp16", "4": "fp16"}, "none", {"compression": "fp16"}),
+    ]
+    res = run_workers(
+        workers, train_worker, spec, seed, runs, steps, size, {}, timeout=180, env=_layout_env(hosts, local)
+    )
+    expected = tuple(tuple(range(h * local, (h + 1) * local)) for h in range(hosts))
+    assert all(res[r]["mixed"]["hosts"] == expected for r in range(workers))
+    assert run_failures(res, "mixed", spec, single_process(spec, seed, workers, steps, size), workers) == []
+    assert [
+        f
+        for f in run_failures(res, "fp16", spec, single_process(spec, seed, workers, steps, size), workers)
+        if "single-process" not in f
+    ] == []
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     hosts=st.integers(2, 8),
