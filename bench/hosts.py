@@ -11,13 +11,17 @@ kernel delivers without the link); each host's L workers are started by one torc
 Reported per row: the step (the slowest rank's, median over the timed steps, median over the
 repeats), and the bytes each host's link carried a step, each way, read from the host's interface
 counters (``/sys/class/net/eth0/statistics``) by its local rank 0 over the timed steps, not
-counted by us. The last line is one JSON object: ``max_bytes_vs_flat`` (the largest ratio of a
+counted by us. ``--device cuda`` puts every worker's model and batch on the machine's one GPU (real
+compute only). ``--links loopback`` starts the torchruns on this host's loopback without namespaces
+(nothing capped, no link of a host's own to count: step times only), where namespaces or tc are
+missing. The last line is one JSON object: ``max_bytes_vs_flat`` (the largest ratio of a
 row's bytes by host to flat), ``min_speedup_vs_ddp`` and the rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -54,24 +58,27 @@ def run(impl: str, model: str, compute: str, link: str, hosts: int, local: int, 
         allreduce="auto",
         merge=None,
         group_spread_bytes=None,
-        iface="eth0",
+        iface=None if link == "loopback" else "eth0",
+        device=args.device,
     )
     world = hosts * local
-    with tempfile.TemporaryDirectory(prefix="bench-hosts-") as tmp, netns.hosts(hosts, link) as names:
+    spaces = contextlib.nullcontext([None] * hosts) if link == "loopback" else netns.hosts(hosts, link)
+    with tempfile.TemporaryDirectory(prefix="bench-hosts-") as tmp, spaces as names:
         cfg["out"] = os.path.join(tmp, "rank%d.json")
         port = free_port()
         env = {
             **os.environ,
             "OMP_NUM_THREADS": "1",
-            "GLOO_SOCKET_IFNAME": "eth0",
+            "GLOO_SOCKET_IFNAME": "lo" if link == "loopback" else "eth0",
             "PYTHONPATH": os.getcwd(),
             "POSEIDON_TOKEN": BENCH_TOKEN,
         }
         procs, errs = [], []
         for h, ns in enumerate(names):
-            command = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run"]
+            command = ["ip", "netns", "exec", ns] if ns else []
+            command += [sys.executable, "-m", "torch.distributed.run"]
             command += ["--nnodes", str(hosts), "--node-rank", str(h), "--nproc-per-node", str(local)]
-            command += ["--master-addr", netns.address(0), "--master-port", str(port)]
+            command += ["--master-addr", netns.address(0) if ns else "127.0.0.1", "--master-port", str(port)]
             command += ["-m", "bench.hosts", "--worker", json.dumps(cfg)]
             errs.append(open(os.path.join(tmp, f"host{h}.err"), "w+"))
             procs.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=errs[-1]))
@@ -99,8 +106,9 @@ def run(impl: str, model: str, compute: str, link: str, hosts: int, local: int, 
                 ranks.append(json.load(f))
     steps = [max(r["times"][i] for r in ranks) for i in range(len(ranks[0]["times"]))]
     leaders = [ranks[h * local] for h in range(hosts)]  # torchrun's static ranks: host h's first is h * L
-    per_step = [max(r["iface"]["tx"], r["iface"]["rx"]) / args.steps for r in leaders]
-    return {"step_s": statistics.median(steps), "host_bytes": max(per_step), "schemes": ranks[0].get("schemes")}
+    per_step = [max(r["iface"]["tx"], r["iface"]["rx"]) / args.steps for r in leaders if "iface" in r]
+    host_bytes = max(per_step) if per_step else None  # loopback: no link of a host's own to read
+    return {"step_s": statistics.median(steps), "host_bytes": host_bytes, "schemes": ranks[0].get("schemes")}
 
 
 def main(argv=None) -> dict:
@@ -116,15 +124,20 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device-tflops", type=float, default=6.0)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: every worker's model on the one GPU")
     args = parser.parse_args(argv)
     if args.worker:
         worker(json.loads(args.worker))
         return {}
     from bench import netns
 
+    if args.device != "cpu" and "replayed" in args.compute.split(","):
+        raise SystemExit("bench hosts: --device cuda computes for real; give --compute real")
     capped, why = netns.available()
-    if not capped:
-        raise SystemExit(f"bench hosts needs network namespaces and tc ({why})")
+    if not capped and set(args.links.split(",")) - {"loopback"}:
+        raise SystemExit(
+            f"bench hosts needs network namespaces and tc for capped links ({why}); --links loopback runs without"
+        )
     impls = args.impls.split(",")
     rows = []
     for link in args.links.split(","):
@@ -143,6 +156,7 @@ def main(argv=None) -> dict:
         "max_bytes_vs_flat": max((r["bytes_vs_flat"] for r in rows if r.get("bytes_vs_flat")), default=None),
         "min_speedup_vs_ddp": min((r["vs_ddp"] for r in rows if r.get("vs_ddp")), default=None),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "device": args.device,
         "rows": rows,
     }
     print(json.dumps(summary))
@@ -152,12 +166,13 @@ def main(argv=None) -> dict:
 def _row(link, compute, model, layout, runs) -> dict:
     row = {"link": link, "compute": compute, "model": model, "layout": layout}
     for impl, got in runs.items():
+        counted = [g["host_bytes"] for g in got if g["host_bytes"] is not None]
         row[impl] = {
             "step_s": statistics.median(g["step_s"] for g in got),
-            "host_bytes": statistics.median(g["host_bytes"] for g in got),
+            "host_bytes": statistics.median(counted) if counted else None,
         }
     ours, flat, ddp = runs.get("poseidon"), runs.get("poseidon:hosts=flat"), runs.get("ddp")
-    if ours and flat:
+    if ours and flat and row["poseidon"]["host_bytes"]:
         row["bytes_vs_flat"] = row["poseidon"]["host_bytes"] / row["poseidon:hosts=flat"]["host_bytes"]
     if ours and ddp:  # the median of the repeats' ratios, and their range
         ratios = sorted(d["step_s"] / o["step_s"] for o, d in zip(ours, ddp))
@@ -170,7 +185,10 @@ def _line(row: dict) -> str:
     cells = [row["link"], row["compute"], row["model"], row["layout"]]
     for impl in ("ddp", "poseidon", "poseidon:hosts=flat"):
         if impl in row:
-            cells.append(f"{impl} {row[impl]['step_s'] * 1e3:.1f} ms, {row[impl]['host_bytes'] / 1e6:.2f} MB/host/step")
+            sent = row[impl]["host_bytes"]
+            cells.append(
+                f"{impl} {row[impl]['step_s'] * 1e3:.1f} ms" + (f", {sent / 1e6:.2f} MB/host/step" if sent else "")
+            )
     if "bytes_vs_flat" in row:
         cells.append(f"bytes by host / flat {row['bytes_vs_flat']:.2f}")
     if "vs_ddp" in row:

@@ -68,6 +68,10 @@ def worker(cfg: dict) -> None:
     torch.set_num_threads(1)
     model, batch, loss_fn = build(cfg["model"], seed=0)
     _, mine, _ = build(cfg["model"], seed=1 + cfg["rank"])  # this rank's own data
+    device = torch.device(cfg.get("device", "cpu"))
+    model, mine = model.to(device), tuple(t.to(device) for t in mine)
+    # A GPU runs ahead of the host: a step ends when its kernels have.
+    settle = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     replayed = cfg["compute"] == "replayed"
     if replayed:
         replay(model, batch, cfg["tflops"])
@@ -106,6 +110,7 @@ def worker(cfg: dict) -> None:
             opt.zero_grad()
             loss_fn(ddp(mine[0]), mine[1]).backward()
             opt.step()
+            settle()
             times.append(time.perf_counter() - started)
             cpu.append(time.process_time() - cpu0)
         read_iface("end")
@@ -170,6 +175,7 @@ def worker(cfg: dict) -> None:
                         opt.step()
                     else:
                         stats.append(await trainer.step(mine))
+                    settle()
                     times.append(time.perf_counter() - started)
                     cpu.append(time.process_time() - cpu0)
                     loop_cpu.append(trainer.loop_cpu_s - loop0)  # the trainer's event loop thread
