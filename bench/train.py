@@ -83,7 +83,17 @@ def worker(cfg: dict) -> None:
     counting = cfg.get("iface") and os.environ.get("LOCAL_RANK", "0") == "0"
     iface = {}
 
+    sampler = None
+    if cfg.get("profile"):
+        from bench.profile import Sampler
+
+        run = f"{cfg['impl']}-{cfg['model']}-{cfg['link']}-{cfg['compute']}-{cfg['world']}w-{cfg['steps']}steps"
+        run = run.replace(":", "_")
+        sampler = Sampler(os.path.join(cfg["profile"], f"{run}-rank{cfg['rank']}.txt"), native=cfg.get("native"))
+
     def read_iface(when: str) -> None:
+        if sampler is not None:  # the timed steps, and nothing else, are sampled
+            sampler.start() if when == "start" else sampler.stop()
         if counting:
             for way in ("tx", "rx"):
                 with open(f"/sys/class/net/{cfg['iface']}/statistics/{way}_bytes") as f:
@@ -220,6 +230,9 @@ def run_config(impl: str, model: str, world: int, link: str, compute: str, args,
         allreduce=args.allreduce,
         merge=args.merge,
         group_spread_bytes=args.group_spread_bytes,
+        link=link,
+        profile=args.profile and os.path.abspath(args.profile),
+        native=bool(os.environ.get("BENCH_PROFILE_NATIVE")),
     )
     ranks = launch(
         "bench.train",
@@ -295,7 +308,12 @@ def main(argv=None) -> dict:
         choices=("none", "algorithm1", "optimal", "best", "single", "buckets", "tapered"),
         help="MergeConfig.kind for our runs (default: the trainer's)",
     )
+    parser.add_argument(
+        "--profile", default=None, help="folder: py-spy samples every rank over its timed steps (bench/profile.py)"
+    )
     args = parser.parse_args(argv)
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     if args.worker:

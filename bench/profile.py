@@ -1,0 +1,174 @@
+"""Where a rank's CPU goes: py-spy sampling a worker over its timed steps, and the table of it.
+
+``bench train --profile DIR`` starts ``py-spy record`` on each of its ranks at the first timed step
+(attached to the worker's own pid, without pausing it) and stops it after the last; every thread
+that is on a CPU is sampled, so the samples' shares are the shares of the rank's CPU time.
+``python -m bench profile DIR`` reads those raw stacks and prints, per run, the CPU a step and rank
+by where the innermost Python frame is and by thread (gloo's C++ threads have no Python frame:
+DDP's CPU is only in bench train's CPU column).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+
+RATE = 250  # samples a second
+
+
+class Sampler:
+    """``py-spy record`` on this process from :meth:`start` to :meth:`stop`; raw stacks to ``path``."""
+
+    def __init__(self, path: str, native: bool = False) -> None:
+        self.path = path
+        self.native = native
+        self._proc = None
+
+    def start(self) -> None:
+        spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
+        if spy is None:
+            raise SystemExit("bench train --profile needs py-spy (pip install py-spy)")
+        # Native frames (uvloop's and torch's C) need the process paused at each sample.
+        how = ["--native"] if self.native else ["--nonblocking"]
+        command = [spy, "record", "--pid", str(os.getpid()), "--threads", *how]
+        command += ["--rate", str(RATE), "--format", "raw", "-o", self.path]
+        self._cpu0 = thread_cpu()
+        self._proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def stop(self) -> None:
+        if self._proc is None:
+            return
+        cpu = thread_cpu()
+        self._proc.send_signal(signal.SIGINT)  # py-spy writes what it has and exits
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+        spent = collections.Counter()
+        for tid, (name, seconds) in cpu.items():
+            spent[thread_kind(name)] += seconds - self._cpu0.get(tid, (name, 0.0))[1]
+        with open(self.path + ".cpu.json", "w") as f:
+            json.dump(spent, f)
+
+
+def thread_cpu() -> dict:
+    """``{tid: (name, CPU seconds)}`` of this process's threads, from /proc (C++ threads too)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[int(tid)] = (names.get(int(tid), comm), (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+# Where the innermost frame is, first match wins: (what, pattern on "function (file:line)"). A
+# loop thread's samples whose innermost frame is ``Thread.run`` are in uvloop's C (socket system
+# calls, its callback queue): no Python frame is on top.
+PLACES = [
+    ("uvloop's C: socket calls, callback queue", r"^Thread\.run \(threading"),
+    ("receive path (Connection)", r"net/connection\.py|wire/codec\.py|wire/__init__|net/loop\.py"),
+    ("frame dispatch (Endpoint)", r"net/endpoint\.py|net/local\.py"),
+    ("send path (shaper, outbox, backpressure)", r"net/(shaper|backpressure)\.py|ps/outbox\.py"),
+    ("shard aggregation (PS server)", r"ps/(server|shard|slots|sgd|node)\.py"),
+    ("PS client", r"ps/(client|pulls)\.py|sync/(ps|hierarchical_ps)\.py"),
+    ("all-reduce", r"sync/(allreduce|collective|hierarchical)\.py"),
+    ("SFB and factors", r"sync/(sfb|hierarchical_sfb|adam)\.py|wire/(factors|lowrank)\.py"),
+    ("syncer bookkeeping", r"sync/|train/(dispatch|layers|merging|staging)\.py|cluster/book\.py"),
+    ("trainer step and hooks", r"train/|poseidon_aio/"),
+    ("optimizer", r"torch/optim/"),
+    ("autograd and torch ops", r"torch/"),
+    ("executor hops and futures", r"concurrent/futures|asyncio/|threading\.py|queue\.py"),
+    ("replayed compute (bench)", r"bench/models\.py"),
+    ("bench harness", r"bench/"),
+]
+
+
+def place(frame: str) -> str:
+    for what, pattern in PLACES:
+        if re.search(pattern, frame):
+            return what
+    return "other"
+
+
+def thread_kind(name: str) -> str:
+    """``poseidon-compute_0`` -> ``compute``: the trainer's threads by their job."""
+    name = re.sub(r"_\d+$", "", name)
+    return {"MainThread": "main"}.get(name, name.removeprefix("poseidon-"))
+
+
+def read(path: str) -> collections.Counter:
+    """``Counter((thread kind, place): samples)`` of one raw py-spy file (one line a stack)."""
+    samples: collections.Counter = collections.Counter()
+    with open(path) as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            frames = stack.split(";")
+            if len(frames) < 2 or not count.isdigit() or not frames[0].startswith("thread "):
+                continue
+            samples[(thread_kind(frames[0].partition(": ")[2]), place(frames[-1]))] += int(count)
+    return samples
+
+
+def table(paths: list, steps: int) -> str:
+    """Milliseconds of CPU a step and rank, by place (rows) and thread (columns): each thread's CPU
+    as /proc counted it, shared out over places as py-spy's samples of that thread fall."""
+    samples: collections.Counter = collections.Counter()
+    spent: collections.Counter = collections.Counter()
+    for path in paths:
+        samples.update(read(path))
+        with open(path + ".cpu.json") as f:
+            spent.update(json.load(f))
+    scale = 1e3 / steps / len(paths)
+    cells: collections.Counter = collections.Counter()
+    for thread, seconds in spent.items():
+        mine = {p: n for (t, p), n in samples.items() if t == thread}
+        if not mine:  # no Python frame ever on top: gloo's and torch's own threads
+            mine = {"C++ threads (no Python frame)": 1}
+        for p, n in mine.items():
+            cells[(thread, p)] += seconds * n / sum(mine.values()) * scale
+    threads = [t for t, v in spent.most_common() if v * scale >= 0.05]
+    cells = {(t if t in threads else "other threads", p): v for (t, p), v in cells.items()}
+    threads += ["other threads"] if any(t == "other threads" for t, _ in cells) else []
+    places = sorted({p for _, p in cells}, key=lambda p: -sum(v for (_, q), v in cells.items() if q == p))
+    total = sum(cells.values()) or 1.0
+    lines = ["| where | " + " | ".join(threads) + " | all | share |", "|---|" + "---|" * (len(threads) + 2)]
+    for p in places:
+        row = [cells.get((t, p), 0.0) for t in threads]
+        lines.append(
+            f"| {p} | " + " | ".join(f"{x:.2f}" for x in row) + f" | {sum(row):.2f} | {sum(row) / total:.0%} |"
+        )
+    cols = [sum(v for (t, _), v in cells.items() if t == u) for u in threads]
+    lines.append("| **all** | " + " | ".join(f"{x:.2f}" for x in cols) + f" | {total:.2f} | |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench profile", description=__doc__.splitlines()[0])
+    parser.add_argument("dir", help="the folder bench train --profile wrote")
+    args = parser.parse_args(argv)
+    runs = collections.defaultdict(list)
+    for path in sorted(glob.glob(os.path.join(args.dir, "*-rank*.txt"))):
+        runs[re.sub(r"-rank\d+\.txt$", "", os.path.basename(path))].append(path)
+    for run, paths in runs.items():
+        steps = int(re.search(r"-(\d+)steps$", run).group(1))
+        print(f"\n{run}: ms of CPU a step and rank, sampled ({len(paths)} ranks)\n{table(paths, steps)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""bench profile's reading of py-spy's raw stacks and its apportioning of each thread's CPU."""
+
+import json
+import threading
+
+from bench import profile
+
+
+def _write(tmp_path, name, lines, cpu):
+    path = tmp_path / name
+    path.write_text("".join(f"{line}\n" for line in lines))
+    (tmp_path / f"{name}.cpu.json").write_text(json.dumps(cpu))
+    return str(path)
+
+
+def test_places_and_threads_from_raw_stacks(tmp_path):
+    path = _write(
+        tmp_path,
+        "poseidon-resnet-1gbit-replayed-2w-10steps-rank0.txt",
+        [
+            "thread (11): poseidon-loop;Thread.run (threading.py:982) 6",
+            "thread (11): poseidon-loop;Thread.run (threading.py:982);Connection.buffer_updated "
+            "(poseidon_aio/net/connection.py:301) 2",
+            "thread (12): poseidon-compute_0;run (x.py:1);_engine_run_backward (torch/autograd/graph.py:979) 4",
+            'process 9:"python -m bench";thread (12): poseidon-compute_0;a (b.py:1);_worker '
+            "(concurrent/futures/thread.py:81) 1",  # --subprocesses output, not a Sampler's: skipped
+            "garbage",
+        ],
+        {"loop": 0.08, "compute": 0.05, "gloo_tcp_loop": 0.01},
+    )
+    got = profile.read(path)
+    assert got[("loop", "uvloop's C: socket calls, callback queue")] == 6
+    assert got[("loop", "receive path (Connection)")] == 2
+    assert got[("compute", "autograd and torch ops")] == 4
+    assert sum(got.values()) == 12  # the malformed line and the process-first line are not counted
+
+    text = profile.table([path], steps=10)
+    rows = {r.split(" | ")[0].strip("| "): r for r in text.splitlines()}
+    # the loop's 8 ms a step split 6:2 by its samples; a thread without Python frames kept whole
+    assert " 6.00 " in rows["uvloop's C: socket calls, callback queue"]
+    assert " 2.00 " in rows["receive path (Connection)"]
+    assert " 1.00 " in rows["C++ threads (no Python frame)"]
+    assert rows["**all**"].split(" | ")[-2].strip() == "14.00"
+
+
+def test_thread_cpu_names_this_thread():
+    mine = threading.get_native_id()
+    got = profile.thread_cpu()
+    assert got[mine][0] == threading.current_thread().name
+    assert got[mine][1] >= 0.0
+    assert profile.thread_kind("poseidon-compute_0") == "compute" and profile.thread_kind("MainThread") == "main"
