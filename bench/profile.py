@@ -22,13 +22,13 @@ import subprocess
 import sys
 import threading
 
-RATE = 250  # samples a second
+RATE = 100  # samples a second: each pauses the process (--native)
 
 
 class Sampler:
     """``py-spy record`` on this process from :meth:`start` to :meth:`stop`; raw stacks to ``path``."""
 
-    def __init__(self, path: str, native: bool = False) -> None:
+    def __init__(self, path: str, native: bool = True) -> None:
         self.path = path
         self.native = native
         self._proc = None
@@ -37,17 +37,18 @@ class Sampler:
         spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
         if spy is None:
             raise SystemExit("bench train --profile needs py-spy (pip install py-spy)")
-        # Native frames (uvloop's and torch's C) need the process paused at each sample.
+        # Native frames (uvloop's and torch's C) need the process paused at each sample; without
+        # them (--nonblocking) a loop thread's stacks come torn, its time in C unattributed.
         how = ["--native"] if self.native else ["--nonblocking"]
         command = [spy, "record", "--pid", str(os.getpid()), "--threads", *how]
         command += ["--rate", str(RATE), "--format", "raw", "-o", self.path]
-        self._cpu0 = thread_cpu()
+        self._cpu0, self._io0 = thread_cpu(), io_calls()
         self._proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def stop(self) -> None:
         if self._proc is None:
             return
-        cpu = thread_cpu()
+        cpu, io = thread_cpu(), io_calls()
         self._proc.send_signal(signal.SIGINT)  # py-spy writes what it has and exits
         try:
             self._proc.wait(timeout=30)
@@ -57,7 +58,14 @@ class Sampler:
         for tid, (name, seconds) in cpu.items():
             spent[thread_kind(name)] += seconds - self._cpu0.get(tid, (name, 0.0))[1]
         with open(self.path + ".cpu.json", "w") as f:
-            json.dump(spent, f)
+            json.dump({**spent, "syscalls": {k: io[k] - self._io0[k] for k in io}}, f)
+
+
+def io_calls() -> dict:
+    """This process's read and write system calls so far (``/proc/self/io``: sockets included)."""
+    with open("/proc/self/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return {"read": int(fields["syscr"]), "write": int(fields["syscw"])}
 
 
 def thread_cpu() -> dict:
@@ -77,11 +85,10 @@ def thread_cpu() -> dict:
     return out
 
 
-# Where the innermost frame is, first match wins: (what, pattern on "function (file:line)"). A
-# loop thread's samples whose innermost frame is ``Thread.run`` are in uvloop's C (socket system
-# calls, its callback queue): no Python frame is on top.
+# Where the innermost Python frame is, first match wins: (what, pattern on "function (file:line)").
+# C frames under it (NumPy, torch, CPython's own) count where that Python frame is, except the few
+# that say where the time went by themselves (C_PLACES).
 PLACES = [
-    ("uvloop's C: socket calls, callback queue", r"^Thread\.run \(threading"),
     ("receive path (Connection)", r"net/connection\.py|wire/codec\.py|wire/__init__|net/loop\.py"),
     ("frame dispatch (Endpoint)", r"net/endpoint\.py|net/local\.py"),
     ("send path (shaper, outbox, backpressure)", r"net/(shaper|backpressure)\.py|ps/outbox\.py"),
@@ -97,6 +104,23 @@ PLACES = [
     ("replayed compute (bench)", r"bench/models\.py"),
     ("bench harness", r"bench/"),
 ]
+C_PLACES = [
+    ("event loop: epoll", r"^epoll"),
+    ("socket system calls", r"^(write|writev|read|readv|send|sendmsg|sendto|recv|recvmsg|recvfrom) \(libc"),
+    ("Python's garbage collector", r"^gc_collect"),
+]
+_PYTHON = re.compile(r"\.py:\d+\)$")
+
+
+def where(frames: list) -> str:
+    """The place of one sampled stack (outermost frame first)."""
+    for what, pattern in C_PLACES:
+        if any(re.search(pattern, f) for f in frames[-4:]):
+            return what
+    for frame in reversed(frames):
+        if _PYTHON.search(frame) and not frame.startswith("Thread."):
+            return place(frame)
+    return "C with no Python frame (uvloop, gloo, torch threads)"
 
 
 def place(frame: str) -> str:
@@ -121,7 +145,7 @@ def read(path: str) -> collections.Counter:
             frames = stack.split(";")
             if len(frames) < 2 or not count.isdigit() or not frames[0].startswith("thread "):
                 continue
-            samples[(thread_kind(frames[0].partition(": ")[2]), place(frames[-1]))] += int(count)
+            samples[(thread_kind(frames[0].partition(": ")[2]), where(frames[1:]))] += int(count)
     return samples
 
 
@@ -130,16 +154,19 @@ def table(paths: list, steps: int) -> str:
     as /proc counted it, shared out over places as py-spy's samples of that thread fall."""
     samples: collections.Counter = collections.Counter()
     spent: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
     for path in paths:
         samples.update(read(path))
         with open(path + ".cpu.json") as f:
-            spent.update(json.load(f))
+            got = json.load(f)
+        calls.update(got.pop("syscalls", {}))
+        spent.update(got)
     scale = 1e3 / steps / len(paths)
     cells: collections.Counter = collections.Counter()
     for thread, seconds in spent.items():
         mine = {p: n for (t, p), n in samples.items() if t == thread}
-        if not mine:  # no Python frame ever on top: gloo's and torch's own threads
-            mine = {"C++ threads (no Python frame)": 1}
+        if not mine:  # never sampled: gloo's and torch's own threads when not --native
+            mine = {"C with no Python frame (uvloop, gloo, torch threads)": 1}
         for p, n in mine.items():
             cells[(thread, p)] += seconds * n / sum(mine.values()) * scale
     threads = [t for t, v in spent.most_common() if v * scale >= 0.05]
@@ -155,6 +182,8 @@ def table(paths: list, steps: int) -> str:
         )
     cols = [sum(v for (t, _), v in cells.items() if t == u) for u in threads]
     lines.append("| **all** | " + " | ".join(f"{x:.2f}" for x in cols) + f" | {total:.2f} | |")
+    per = steps * len(paths)
+    lines.append(f"\nSystem calls a step and rank: {calls['read'] / per:.0f} reads, {calls['write'] / per:.0f} writes")
     return "\n".join(lines)
 
 

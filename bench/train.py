@@ -232,7 +232,7 @@ def run_config(impl: str, model: str, world: int, link: str, compute: str, args,
         group_spread_bytes=args.group_spread_bytes,
         link=link,
         profile=args.profile and os.path.abspath(args.profile),
-        native=bool(os.environ.get("BENCH_PROFILE_NATIVE")),
+        native=not os.environ.get("BENCH_PROFILE_NONBLOCKING"),
     )
     ranks = launch(
         "bench.train",
