@@ -22,6 +22,7 @@ from ..cluster.manifest import Manifest
 from ..cluster.launcher import ClusterEnv, advertise_host
 from ..cluster.rendezvous import Rendezvous, StartupConfig
 from ..cluster.topology import Topology
+from ..errors import ConnectionLost, PoseidonError, StartupAborted
 from ..net import LocalLink, NetConfig, connect, listen
 from ..net.credentials import config_from_env
 from . import checkpoint
@@ -236,4 +237,23 @@ class PSNode:
         else:
             if getattr(self, "client", None) is not None:
                 self.client.fail(exc if isinstance(exc, Exception) else asyncio.CancelledError())
+            # Ranks that finished their steps wait for this one at "ps-done": tell them why it
+            # will not come, rather than leave them to time out naming nothing.
+            await self._rdzv.abort(exc, during="training")
+            root = await self._root_cause(exc)
             await self.teardown()
+            if root is not None:
+                raise root from exc
+
+    async def _root_cause(self, exc) -> Optional[StartupAborted]:
+        """Another rank's published failure, where this rank only lost a link (it went away
+        because of that failure, and its own message would not say why)."""
+        if not isinstance(exc, ConnectionLost):
+            return None
+        try:
+            await self._rdzv.check_aborted("after losing a connection")
+        except StartupAborted as root:
+            return root if root.rank != self._rdzv.env.rank else None
+        except PoseidonError:
+            pass  # the store is gone too: the lost link is all there is to say
+        return None
