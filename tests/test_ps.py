@@ -127,10 +127,8 @@ def test_a_worker_that_dies_fails_the_others_quickly_naming_it():
     procs, out = start_workers(3, leaving_worker, [(20, 10)], PSConfig(shards=1, sync_timeout=60), 2)
     errors = collect(procs, out, timeout=45, expect_errors=True)
     assert errors[0][0] == "WorkerLeft" and "rank 2 left the job" in errors[0][1]
-    # Rank 1 hears it from the shard too, or loses the shard when rank 0 (its host) gives up; then
-    # it reports rank 0's published reason (PSNode._root_cause), which names rank 2.
-    assert errors[1][0] in ("WorkerLeft", "ConnectionLost", "StartupAborted")
-    assert errors[1][0] != "StartupAborted" or "rank 2 left the job" in errors[1][1], errors[1]
+    # Rank 1 hears it from the shard too, or loses the shard when rank 0 (its host) gives up.
+    assert errors[1][0] in ("WorkerLeft", "ConnectionLost")
 
 
 def test_a_stalled_sync_times_out_with_the_shards_report():

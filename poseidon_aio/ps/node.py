@@ -240,20 +240,22 @@ class PSNode:
             # Ranks that finished their steps wait for this one at "ps-done": tell them why it
             # will not come, rather than leave them to time out naming nothing.
             await self._rdzv.abort(exc, during="training")
-            root = await self._root_cause(exc)
+            told = await self._told_why(exc)
             await self.teardown()
-            if root is not None:
-                raise root from exc
+            if told is not None:
+                raise told from exc
 
-    async def _root_cause(self, exc) -> Optional[StartupAborted]:
-        """Another rank's published failure, where this rank only lost a link (it went away
-        because of that failure, and its own message would not say why)."""
+    async def _told_why(self, exc) -> Optional[ConnectionLost]:
+        """``exc`` with another rank's published failure added, where this rank lost a link: the
+        link may have gone because that rank failed, and a bare "broken pipe" would not say why.
+        Its own words come first: the lost link may be the fault itself (a truncated stream)."""
         if not isinstance(exc, ConnectionLost):
             return None
         try:
             await self._rdzv.check_aborted("after losing a connection")
         except StartupAborted as root:
-            return root if root.rank != self._rdzv.env.rank else None
+            if root.rank != self._rdzv.env.rank:
+                return ConnectionLost(f"{exc}; meanwhile rank {root.rank} failed: {root.reason}")
         except PoseidonError:
             pass  # the store is gone too: the lost link is all there is to say
         return None
