@@ -1,11 +1,12 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Compiled twin of ``poseidon_aio/wire/codec.py``: same contract, same errors, same messages.
 
-Header encode/decode and the stream decoder's bookkeeping run in C; CRC-32 uses a table built at
-import (the IEEE polynomial zlib uses, so both codecs agree bit for bit). Payload bytes are moved
-with one ``memcpy`` from the scratch buffer, or not at all when the kernel wrote them straight into
-the destination; a payload buffer the decoder owns grows as bytes arrive, like the twin's.
-Imports nothing from asyncio, socket or torch.
+Header encode/decode and the stream decoder's bookkeeping run in C; the header's CRC-32 uses a
+table built at import (the IEEE polynomial zlib uses, so both codecs agree bit for bit). Payload
+bytes are moved with one ``memcpy`` from the scratch buffer, or not at all when the kernel wrote
+them straight into the destination; a payload buffer the decoder owns grows as bytes arrive, like
+the twin's. The payload's CRC32C is the ``crc32c`` package's (CPU instructions), extended with
+each piece as it lands, as in the twin. Imports nothing from asyncio, socket or torch.
 """
 
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
@@ -14,14 +15,18 @@ from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memmove
 
 from poseidon_aio.errors import FrameError, LocalProtocolError
+from poseidon_aio.wire.checksum import extend as _crc32c_extend
+from poseidon_aio.wire.codec import missing_checksum, payload_mismatch, version_mismatch
 from poseidon_aio.wire.layout import (
     DEFAULT_MAX_PAYLOAD, INITIAL_PAYLOAD_BUFFER, ITEMSIZE_BY_CODE, KNOWN_KINDS, MAGIC, DType, Frame, Header,
     Kind,
 )
 
-DEF HEADER_SIZE = 40
-DEF CHECKED_SIZE = 36
-DEF VERSION = 1
+DEF HEADER_SIZE = 44
+DEF CHECKED_SIZE = 40
+DEF VERSION = 2
+DEF FLAG_PAYLOAD_CRC = 0x8000
+DEF USER_FLAGS_MAX = 0x7FFF
 
 cdef uint32_t _CRC_TABLE[256]
 cdef uint32_t _MAGIC = <uint32_t>0x4E445350u  # b"PSDN" read little-endian
@@ -76,8 +81,8 @@ cdef object _check_field(str name, object value, object upper):
     return value
 
 
-def encode_header(kind, *, rank=0, key=0, clock=0, length=0, dtype=DType.BYTES, flags=0):
-    """Encode one 40-byte frame header (see the pure-Python twin for the contract)."""
+def encode_header(kind, *, rank=0, key=0, clock=0, length=0, dtype=DType.BYTES, flags=0, payload_crc=None):
+    """Encode one 44-byte frame header (see the pure-Python twin for the contract)."""
     kind = int(kind)
     dtype = int(dtype)
     if kind not in KNOWN_KINDS:
@@ -90,7 +95,11 @@ def encode_header(kind, *, rank=0, key=0, clock=0, length=0, dtype=DType.BYTES, 
         raise LocalProtocolError(
             f"payload of {length} bytes is not a whole number of {DType(dtype).name} items"
         )
-    cdef uint64_t f = _check_field("flags", flags, 0xFFFF)
+    cdef uint64_t f = _check_field("flags", flags, USER_FLAGS_MAX)
+    cdef uint64_t crc = 0
+    if payload_crc is not None:
+        crc = _check_field("payload_crc", payload_crc, 0xFFFFFFFF)
+        f |= FLAG_PAYLOAD_CRC
     cdef uint64_t r = _check_field("rank", rank, 0xFFFFFFFF)
     cdef uint64_t k = _check_field("key", key, 0xFFFFFFFF)
     cdef uint64_t c = _check_field("clock", clock, 0xFFFFFFFFFFFFFFFF)
@@ -109,7 +118,8 @@ def encode_header(kind, *, rank=0, key=0, clock=0, length=0, dtype=DType.BYTES, 
     p[33] = 0
     p[34] = 0
     p[35] = 0
-    _wr(p + 36, _crc32(p, CHECKED_SIZE), 4)
+    _wr(p + 36, crc, 4)
+    _wr(p + CHECKED_SIZE, _crc32(p, CHECKED_SIZE), 4)
     return out
 
 
@@ -121,13 +131,14 @@ cdef object _decode(const uint8_t* p, uint64_t max_payload):
     cdef uint64_t rank = _rd(p + 8, 4)
     cdef uint64_t length = _rd(p + 24, 8)
     cdef uint32_t checksum, expected
+    cdef unsigned int flags
     if magic != _MAGIC:
         raise FrameError(
             f"bad magic {PyBytes_FromStringAndSize(<char*>p, 4)!r} "
             f"(expected {MAGIC!r}): not a poseidon_aio stream"
         )
     if version != VERSION:
-        raise FrameError(f"unknown wire version {version} (this build speaks {VERSION})")
+        raise version_mismatch(version)
     checksum = <uint32_t>_rd(p + CHECKED_SIZE, 4)
     expected = _crc32(p, CHECKED_SIZE)
     if checksum != expected:
@@ -151,7 +162,9 @@ cdef object _decode(const uint8_t* p, uint64_t max_payload):
             f"payload of {length} bytes is not a whole number of {itemsize}-byte items "
             f"(kind {kind}, rank {rank}, key {key}, clock {clock})"
         )
-    return Header(kind_obj, rank, key, clock, length, _DTYPES[dtype], <unsigned int>_rd(p + 6, 2), version)
+    flags = <unsigned int>_rd(p + 6, 2)
+    crc_obj = <uint32_t>_rd(p + 36, 4) if flags & FLAG_PAYLOAD_CRC else None
+    return Header(kind_obj, rank, key, clock, length, _DTYPES[dtype], flags & USER_FLAGS_MAX, version, crc_obj)
 
 
 def decode_header(data, max_payload=DEFAULT_MAX_PAYLOAD):
@@ -175,11 +188,12 @@ cdef memoryview _byte_view(payload):
     return view
 
 
-def frame_parts(kind, payload=b"", *, rank=0, key=0, clock=0, dtype=DType.BYTES, flags=0):
+def frame_parts(kind, payload=b"", *, rank=0, key=0, clock=0, dtype=DType.BYTES, flags=0, checksum=False):
     """Return ``[header, payload_view]`` for ``transport.writelines``: the payload is not copied."""
     view = _byte_view(payload)
     header = encode_header(
-        kind, rank=rank, key=key, clock=clock, length=view.nbytes, dtype=dtype, flags=flags
+        kind, rank=rank, key=key, clock=clock, length=view.nbytes, dtype=dtype, flags=flags,
+        payload_crc=_crc32c_extend(view) if checksum else None,
     )
     return [header, view]
 
@@ -195,6 +209,7 @@ cdef class FrameDecoder:
 
     cdef public object max_payload
     cdef public object allocate
+    cdef public bint require_checksum
     cdef Py_ssize_t _initial_payload
     cdef bytearray _buf
     cdef memoryview _view
@@ -208,11 +223,13 @@ cdef class FrameDecoder:
     cdef bint _owned             # the decoder allocated _dest (it grows) rather than `allocate`
     cdef Py_ssize_t _filled
     cdef bint _lent_dest
+    cdef bint _checking          # the frame in progress carries a payload CRC32C
+    cdef object _crc             # CRC32C of its payload bytes received so far
     cdef object _error
 
     def __init__(
         self, *, max_payload=DEFAULT_MAX_PAYLOAD, allocate=None, scratch_size=1 << 16,
-        initial_payload_buffer=INITIAL_PAYLOAD_BUFFER,
+        initial_payload_buffer=INITIAL_PAYLOAD_BUFFER, require_checksum=False,
     ):
         if scratch_size < HEADER_SIZE:
             raise LocalProtocolError(f"scratch_size must be at least {HEADER_SIZE}")
@@ -220,6 +237,7 @@ cdef class FrameDecoder:
             raise LocalProtocolError("initial_payload_buffer must be at least 1 byte")
         self.max_payload = max_payload
         self.allocate = allocate
+        self.require_checksum = require_checksum
         self._initial_payload = initial_payload_buffer
         self._buf = bytearray(scratch_size)
         self._view = memoryview(self._buf)
@@ -233,6 +251,8 @@ cdef class FrameDecoder:
         self._owned = False
         self._filled = 0
         self._lent_dest = False
+        self._checking = False
+        self._crc = 0
         self._error = None
 
     @property
@@ -258,7 +278,8 @@ cdef class FrameDecoder:
     def feed(self, data):
         if self._error is not None:
             raise self._error
-        cdef const uint8_t[::1] src = _byte_view(data)
+        view = _byte_view(data)
+        cdef const uint8_t[::1] src = view
         cdef Py_ssize_t total = src.shape[0]
         cdef Py_ssize_t offset = 0
         cdef Py_ssize_t n
@@ -267,6 +288,8 @@ cdef class FrameDecoder:
             if n:
                 self._room(n)
                 memcpy(&self._destmv[self._filled], &src[0], n)
+                if self._checking:
+                    self._crc = _crc32c_extend(view[:n], self._crc)
             self._filled += n
             offset = n
         cdef Py_ssize_t rest = total - offset
@@ -288,6 +311,8 @@ cdef class FrameDecoder:
 
     def buffer_updated(self, Py_ssize_t nbytes):
         if self._lent_dest:
+            if self._checking and nbytes:
+                self._crc = _crc32c_extend(self._dest[self._filled:self._filled + nbytes], self._crc)
             self._filled += nbytes
         else:
             self._end += nbytes
@@ -346,8 +371,12 @@ cdef class FrameDecoder:
             base = <uint8_t*>PyByteArray_AS_STRING(self._buf)
             try:
                 header = _decode(base + self._start, self.max_payload)
+                if header.payload_crc is None and self.require_checksum:
+                    raise missing_checksum(header)
                 self._start += HEADER_SIZE
                 self._header = header
+                self._checking = header.payload_crc is not None
+                self._crc = 0
                 self._set_destination(header)
             except Exception as exc:
                 self._error = exc
@@ -360,6 +389,8 @@ cdef class FrameDecoder:
             self._room(n)
             base = <uint8_t*>PyByteArray_AS_STRING(self._buf)
             memcpy(&self._destmv[self._filled], base + self._start, n)
+            if self._checking:
+                self._crc = _crc32c_extend(self._view[self._start:self._start + n], self._crc)
             self._filled += n
             self._start += n
         if self._start == self._end:
@@ -367,6 +398,9 @@ cdef class FrameDecoder:
             self._end = 0
         if self._filled < self._length:
             return None
+        if self._checking and self._crc != self._header.payload_crc:
+            self._error = payload_mismatch(self._header, self._crc)
+            raise self._error
         frame = Frame(self._header, self._dest)
         self._header = None
         self._dest = None

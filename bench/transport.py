@@ -6,8 +6,12 @@ frames of 64 KiB to 8 MiB, each codec. Every measurement is a fresh set of proce
 and the figure is the median over ``--repeats`` runs, taken interleaved (plain, python, cython,
 plain, ...) so drift on a shared machine hits every column alike.
 
-Both sides do the same work per frame: a 40-byte header then the payload, received into a reused
+Both sides do the same work per frame: a 44-byte header then the payload, received into a reused
 buffer (ours through the BufferedProtocol destination hook, plain sockets through ``recv_into``).
+
+``--checksum`` measures the cost of the payload CRC32C instead: the compiled codec with
+``NetConfig(payload_checksum=True)`` (the default) and ``False``, interleaved with plain sockets
+in one run, and prints on/off throughput ratios.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import time
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 8 * MiB]
 IMPLS = ["plain", "python", "cython"]
+# --checksum: the compiled codec with payload CRC32Cs on and off ("-nocrc").
+CHECKSUM_IMPLS = ["plain", "cython", "cython-nocrc"]
 _LEN = struct.Struct("<Q")
 TOKEN = b"bench-transport-token-0123456789"
 
@@ -86,7 +92,7 @@ def _plain_sender(port: int, frame: int, frames_each: int) -> None:
 # -- poseidon_aio -------------------------------------------------------------------------------
 
 
-def _ours_receiver(pipe, senders: int, frame: int, frames_each: int) -> None:
+def _ours_receiver(pipe, senders: int, frame: int, frames_each: int, checksum: bool = True) -> None:
     import asyncio
 
     from poseidon_aio.net import NetConfig, listen, run
@@ -106,7 +112,8 @@ def _ours_receiver(pipe, senders: int, frame: int, frames_each: int) -> None:
             conn.set_handler(on_frame, allocate=lambda h: sink if h.length == frame else None)
             conns.append(conn)
 
-        listener = await listen("127.0.0.1", 0, rank=0, config=NetConfig(token=TOKEN), on_connection=accept)
+        config = NetConfig(token=TOKEN, payload_checksum=checksum)
+        listener = await listen("127.0.0.1", 0, rank=0, config=config, on_connection=accept)
         pipe.send(listener.address[1])
         await asyncio.to_thread(pipe.recv)
         while len(conns) < senders:
@@ -117,13 +124,15 @@ def _ours_receiver(pipe, senders: int, frame: int, frames_each: int) -> None:
         async with asyncio.timeout(600):
             await done.wait()
         elapsed = time.perf_counter() - start
+        if any(c.payload_checksum != checksum for c in conns):
+            raise RuntimeError(f"asked for payload_checksum={checksum}, a connection settled otherwise")
         await listener.close()
         pipe.send((elapsed, CODEC))
 
     run(main())
 
 
-def _ours_sender(port: int, frame: int, frames_each: int) -> None:
+def _ours_sender(port: int, frame: int, frames_each: int, checksum: bool = True) -> None:
 
     import numpy as np
 
@@ -132,7 +141,7 @@ def _ours_sender(port: int, frame: int, frames_each: int) -> None:
     from poseidon_aio.wire import Kind
 
     async def main():
-        conn = await connect("127.0.0.1", port, rank=1, config=NetConfig(token=TOKEN))
+        conn = await connect("127.0.0.1", port, rank=1, config=NetConfig(token=TOKEN, payload_checksum=checksum))
         payload = np.zeros(frame, dtype=np.uint8)
         await conn.recv(timeout=600)
         for clock in range(frames_each):
@@ -153,14 +162,16 @@ def measure(impl: str, senders: int, frame: int, volume: int) -> float:
     ctx = multiprocessing.get_context("spawn")
     frames_each = max(4, volume // senders // frame)
     receiver, sender = (_plain_receiver, _plain_sender) if impl == "plain" else (_ours_receiver, _ours_sender)
+    codec, _, variant = impl.partition("-")
+    extra = () if impl == "plain" else (variant != "nocrc",)
     parent, child = ctx.Pipe()
     saved = os.environ.get("POSEIDON_NO_EXTENSIONS")
-    os.environ["POSEIDON_NO_EXTENSIONS"] = "1" if impl == "python" else "0"
+    os.environ["POSEIDON_NO_EXTENSIONS"] = "1" if codec == "python" else "0"
     try:
-        recv_proc = ctx.Process(target=receiver, args=(child, senders, frame, frames_each))
+        recv_proc = ctx.Process(target=receiver, args=(child, senders, frame, frames_each, *extra))
         recv_proc.start()
         port = parent.recv()
-        procs = [ctx.Process(target=sender, args=(port, frame, frames_each)) for _ in range(senders)]
+        procs = [ctx.Process(target=sender, args=(port, frame, frames_each, *extra)) for _ in range(senders)]
         for p in procs:
             p.start()
     finally:
@@ -175,7 +186,7 @@ def measure(impl: str, senders: int, frame: int, volume: int) -> float:
         raise TimeoutError(f"{impl} run with {senders} senders of {frame} B frames did not finish")
     result = parent.recv()
     elapsed = result if impl == "plain" else result[0]
-    if impl != "plain" and result[1] != impl:
+    if impl != "plain" and result[1] != codec:
         raise RuntimeError(f"asked for the {impl} codec, the receiver ran {result[1]}")
     for p in [recv_proc, *procs]:
         p.join(60)
@@ -190,12 +201,20 @@ def main(argv=None) -> dict:
     parser.add_argument("--volume-mib", type=int, default=1024, help="MiB moved per run")
     parser.add_argument("--sizes", default=",".join(str(s // KiB) for s in SIZES), help="frame sizes in KiB")
     parser.add_argument("--quick", action="store_true", help="1 repeat, 128 MiB per run")
+    parser.add_argument(
+        "--checksum", action="store_true", help="payload CRC32C on against off (compiled codec), with plain sockets"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.volume_mib = 1, 128
     from poseidon_aio.wire import CODECS
 
-    impls = [i for i in IMPLS if i == "plain" or i in CODECS]
+    if args.checksum:
+        if "cython" not in CODECS:
+            raise SystemExit("--checksum measures the compiled codec, which is not built here")
+        impls = CHECKSUM_IMPLS
+    else:
+        impls = [i for i in IMPLS if i == "plain" or i in CODECS]
     sizes = [int(s) * KiB for s in args.sizes.split(",")]
     results: dict = {}
     for senders in (1, 4):
@@ -206,6 +225,8 @@ def main(argv=None) -> dict:
                 for impl in order:
                     runs[impl].append(measure(impl, senders, frame, args.volume_mib * MiB))
             results[(senders, frame)] = runs
+    if args.checksum:
+        return _checksum_report(results, args)
 
     lines = [
         f"Transport throughput, GiB/s received (median of {args.repeats}; {args.volume_mib} MiB per run); "
@@ -243,3 +264,33 @@ def main(argv=None) -> dict:
 
 def _size(n: int) -> str:
     return f"{n // MiB}MiB" if n >= MiB else f"{n // KiB}KiB"
+
+
+def _checksum_report(results: dict, args) -> dict:
+    lines = [
+        f"Payload CRC32C on vs off, compiled codec, GiB/s received (median of {args.repeats}; "
+        f"{args.volume_mib} MiB per run); on/off: ratio of the medians, with the min-max of each "
+        "repeat's own on/off ratio",
+        "",
+        "| senders | frame | plain sockets | checksum off | checksum on | on / off |",
+        "|---|---|---|---|---|---|",
+    ]
+    summary: dict = {}
+    for (senders, frame), runs in results.items():
+        med = {impl: statistics.median(v) for impl, v in runs.items()}
+        each = [on / off for on, off in zip(runs["cython"], runs["cython-nocrc"])]
+        ratio = med["cython"] / med["cython-nocrc"]
+        lines.append(
+            f"| {senders}→1 | {_size(frame)} | {med['plain']:.2f} | {med['cython-nocrc']:.2f} | "
+            f"{med['cython']:.2f} | {ratio:.3f} ({min(each):.3f}–{max(each):.3f}) |"
+        )
+        summary[f"crc_on_off_{senders}to1_{_size(frame)}"] = round(ratio, 3)
+        summary[f"crc_on_off_{senders}to1_{_size(frame)}_range"] = [round(min(each), 3), round(max(each), 3)]
+    print("\n".join(lines))
+    out = {
+        "bench": "transport --checksum",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        **summary,
+    }
+    print(json.dumps(out))
+    return out

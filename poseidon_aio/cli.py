@@ -20,11 +20,12 @@ def _info(args: argparse.Namespace) -> int:
 
     from . import __version__
     from .net import LOOP
-    from .wire import CODEC, CODECS
+    from .wire import CODEC, CODECS, CRC32C_HARDWARE
 
     print(f"poseidon_aio {__version__}: codec {CODEC} (built: {', '.join(sorted(CODECS))}), loop {LOOP}")
+    print(f"payload CRC32C: {'CPU instructions' if CRC32C_HARDWARE else 'software (no SSE4.2 or ARMv8 CRC: slow)'}")
     versions = {"python": platform.python_version()}
-    for name in ("torch", "numpy", "uvloop", "cupy"):
+    for name in ("torch", "numpy", "uvloop", "crc32c", "cupy"):
         versions[name] = _version_of(name)
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     print("interfaces: " + (", ".join(f"{name} {addr}" for name, addr in _interfaces()) or "none found"))

@@ -21,6 +21,8 @@ __all__ = [
     "HandshakeError",
     "AuthenticationError",
     "VersionMismatch",
+    "WireVersionMismatch",
+    "ChannelBindingError",
     "ConnectionLost",
     "PeerTimeout",
     "StoreUnavailable",
@@ -75,9 +77,10 @@ class FrameError(RemoteProtocolError):
     """A frame header or payload read off the wire is malformed.
 
     Raised by both codecs for: bad magic, unknown version, unknown kind, unknown payload dtype,
-    a header checksum mismatch, a payload length over the configured maximum, or a length that is
-    not a whole number of dtype items. The connection it came from must be closed; the process
-    keeps serving its other connections.
+    a header checksum mismatch, a payload length over the configured maximum, a length that is
+    not a whole number of dtype items, and a payload whose CRC32C does not match its header's (or
+    that carries none where both ends agreed to checksum). The connection it came from must be
+    closed; the process keeps serving its other connections.
     """
 
 
@@ -91,6 +94,15 @@ class AuthenticationError(HandshakeError, PermissionError):
 
 class VersionMismatch(HandshakeError):
     """The peer speaks a protocol version this build does not."""
+
+
+class ChannelBindingError(AuthenticationError):
+    """Over TLS, the two ends see different certificates for the listener: something in between
+    terminates TLS on each side and relays (a man in the middle). The handshake is refused."""
+
+
+class WireVersionMismatch(FrameError, VersionMismatch):
+    """The peer's frames are of another wire version (an older or newer poseidon_aio release)."""
 
 
 class ConnectionLost(PoseidonError, ConnectionError):

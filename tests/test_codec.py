@@ -1,4 +1,5 @@
-"""Both codecs: round trips, incremental feeding, zero-copy destinations and bad input."""
+"""Both codecs: round trips, incremental feeding, zero-copy destinations, payload checksums and
+bad input."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poseidon_aio.errors import FrameError, LocalProtocolError, RemoteProtocolError
-from poseidon_aio.wire import CODECS, HEADER_SIZE, INITIAL_PAYLOAD_BUFFER, ITEMSIZE, DType, Kind
+from poseidon_aio.errors import FrameError, LocalProtocolError, RemoteProtocolError, VersionMismatch
+from poseidon_aio.wire import CODECS, HEADER_SIZE, INITIAL_PAYLOAD_BUFFER, ITEMSIZE, DType, Kind, payload_crc
 from poseidon_aio.wire.spans import spanning
 
 kinds = st.sampled_from(list(Kind))
@@ -30,7 +31,8 @@ def frame_specs(draw, max_items=64):
         key=draw(st.integers(0, 2**32 - 1)),
         clock=draw(st.integers(0, 2**64 - 1)),
         dtype=dtype,
-        flags=draw(st.integers(0, 2**16 - 1)),
+        flags=draw(st.integers(0, 2**15 - 1)),
+        checksum=draw(st.booleans()),
     )
 
 
@@ -61,6 +63,7 @@ def _check(frame, spec):
         spec["flags"],
     )
     assert h.length == len(spec["payload"])
+    assert h.payload_crc == (payload_crc([spec["payload"]]) if spec["checksum"] else None)
     assert bytes(frame.payload) == spec["payload"]
     assert frame.payload.nbytes == h.length and not frame.payload.readonly and frame.payload.c_contiguous
 
@@ -224,7 +227,7 @@ def _mutate_header(data: bytes, offset: int, value: bytes, fix_crc: bool = True)
     h = bytearray(data[:HEADER_SIZE])
     h[offset : offset + len(value)] = value
     if fix_crc:
-        h[36:40] = (zlib.crc32(bytes(h[:36])) & 0xFFFFFFFF).to_bytes(4, "little")
+        h[40:44] = (zlib.crc32(bytes(h[:40])) & 0xFFFFFFFF).to_bytes(4, "little")
     return bytes(h) + data[HEADER_SIZE:]
 
 
@@ -232,7 +235,7 @@ def _mutate_header(data: bytes, offset: int, value: bytes, fix_crc: bool = True)
     "offset,value,fix_crc,match",
     [
         (0, b"HTTP", True, "bad magic"),
-        (4, b"\x02", True, "unknown wire version 2"),
+        (4, b"\x01", True, "the peer speaks wire version 1, this build speaks 2"),
         (5, b"\x63", True, "unknown frame kind 99"),
         (32, b"\x40", True, "unknown payload dtype 64"),
         (12, b"\x01", False, "header checksum mismatch"),
@@ -269,7 +272,7 @@ def test_max_payload_is_enforced_before_allocation(codec):
         (dict(rank=2**32), "rank"),
         (dict(key=-1), "key"),
         (dict(clock=2**64), "clock"),
-        (dict(flags=2**16), "flags"),
+        (dict(flags=2**15), "flags"),  # bit 15 is the wire's
         (dict(dtype=77), "unknown payload dtype"),
         (dict(dtype=DType.FLOAT32, payload=b"abc"), "whole number"),
     ],
@@ -281,6 +284,112 @@ def test_encoding_invalid_fields_is_a_local_error(codec, fields, match):
         codec.encode_frame(Kind.DATA, payload, **fields)
     with pytest.raises(LocalProtocolError, match="unknown frame kind"):
         codec.encode_header(200)
+
+
+# -- payload checksums ---------------------------------------------------------------------------
+
+
+def _feed_paths(codec, data: bytes, seed: int):
+    """Frames and error from ``data`` fed whole, byte by byte, and through get_buffer with
+    destinations (the BufferedProtocol path): ``[(frames, error), ...]``."""
+    rng = random.Random(seed)
+    out = []
+    for chunks in ([data], [data[i : i + 1] for i in range(len(data))]):
+        dec, frames, error = codec.FrameDecoder(initial_payload_buffer=5), [], None
+        try:
+            for piece in chunks:
+                dec.feed(piece)
+                while (frame := dec.next_frame()) is not None:
+                    frames.append(bytes(frame.payload))
+        except FrameError as exc:
+            error = str(exc)
+        out.append((frames, error))
+    dec = codec.FrameDecoder(allocate=lambda h: bytearray(h.length) if rng.random() < 0.5 else None, scratch_size=64)
+    frames, error, pos = [], None, 0
+    try:
+        while pos < len(data):
+            buf = dec.get_buffer(-1)
+            n = min(len(buf), rng.randint(1, 300), len(data) - pos)
+            buf[:n] = data[pos : pos + n]
+            pos += n
+            dec.buffer_updated(n)
+            while (frame := dec.next_frame()) is not None:
+                frames.append(bytes(frame.payload))
+    except FrameError as exc:
+        error = str(exc)
+    out.append((frames, error))
+    return out
+
+
+@settings(max_examples=150)
+@given(
+    payloads=st.lists(st.binary(min_size=1, max_size=700), min_size=1, max_size=4),
+    target=st.integers(0, 2**32),
+    bit=st.integers(0, 2**32),
+    seed=st.integers(0, 2**32),
+)
+def test_a_flipped_payload_bit_is_caught_and_its_frame_never_handed_out(codec, payloads, target, bit, seed):
+    """Every frame before the flipped one comes out intact; the flipped one and those after never do."""
+    frames = [
+        codec.encode_frame(Kind.PUSH, p, rank=3, key=k, clock=7, dtype=DType.BYTES, checksum=True)
+        for k, p in enumerate(payloads)
+    ]
+    hit = target % len(frames)
+    offset = bit % (8 * len(payloads[hit]))
+    data = bytearray(b"".join(frames))
+    data[sum(map(len, frames[:hit])) + HEADER_SIZE + offset // 8] ^= 1 << (offset % 8)
+    for got, error in _feed_paths(codec, bytes(data), seed):
+        assert got == payloads[:hit]
+        assert error is not None and error.startswith(
+            f"payload checksum mismatch in PUSH key {hit} clock 7 from rank 3"
+        )
+
+
+def test_a_checksum_names_the_frame_and_the_two_crcs(codec):
+    data = bytearray(codec.encode_frame(Kind.AGGREGATE, b"\x00" * 16, rank=2, key=5, clock=9, checksum=True))
+    data[-1] ^= 0x80
+    dec = codec.FrameDecoder()
+    dec.feed(bytes(data))
+    with pytest.raises(
+        FrameError, match=r"AGGREGATE key 5 clock 9 from rank 2 \(16 bytes; CRC32C sent 0x[0-9a-f]{8}, "
+    ):
+        dec.next_frame()
+    with pytest.raises(FrameError, match="payload checksum mismatch"):  # the decoder stays failed
+        dec.feed(b"more")
+
+
+def test_a_frame_without_a_checksum_is_refused_where_one_is_required(codec):
+    plain = codec.encode_frame(Kind.PUSH, b"abcd", rank=1, key=2, clock=3)
+    signed = codec.encode_frame(Kind.PUSH, b"abcd", rank=1, key=2, clock=3, checksum=True)
+    dec = codec.FrameDecoder(require_checksum=True)
+    dec.feed(signed + plain)
+    assert bytes(dec.next_frame().payload) == b"abcd"
+    with pytest.raises(FrameError, match="PUSH key 2 clock 3 from rank 1 carries no payload checksum"):
+        dec.next_frame()
+    # Without the requirement an unsigned frame passes and a signed one is still checked.
+    dec = codec.FrameDecoder()
+    dec.feed(plain + signed)
+    assert [bytes(dec.next_frame().payload) for _ in range(2)] == [b"abcd", b"abcd"]
+
+
+def test_a_wire_v1_header_is_a_version_error(codec):
+    """What an older release sends first: its 40-byte v1 HELLO header (CRC-32 over bytes 0-35)."""
+    import struct
+
+    body = struct.pack("<4sBBHIIQQB3x", b"PSDN", 1, Kind.HELLO, 0, 0, 0, 0, 60, DType.JSON)
+    v1 = body + zlib.crc32(body).to_bytes(4, "little") + b"{}" * 30
+    dec = codec.FrameDecoder()
+    dec.feed(v1)
+    with pytest.raises(VersionMismatch, match="the peer speaks wire version 1, this build speaks 2") as caught:
+        dec.next_frame()
+    assert isinstance(caught.value, FrameError)
+
+
+def test_an_empty_payload_has_checksum_zero_and_round_trips(codec):
+    data = codec.encode_frame(Kind.HEARTBEAT, rank=4, checksum=True)
+    assert codec.decode_header(data).payload_crc == 0
+    frames, _ = _decode_all(codec, data, require_checksum=True)
+    assert frames[0].header.length == 0
 
 
 def _mutations(rng: random.Random, data: bytes) -> bytes:

@@ -209,7 +209,7 @@ def test_reply_buffers_are_reused_only_once_nobody_holds_them():
 
 def _announce(conn, kind: Kind, length: int, *, key: int = 3, clock: int = 4) -> None:
     """Write a bare header announcing ``length`` payload bytes, as a misbehaving peer would."""
-    conn._transport.write(encode_header(kind, rank=conn.rank, key=key, clock=clock, length=length))
+    conn._transport.write(encode_header(kind, rank=conn.rank, key=key, clock=clock, length=length, payload_crc=0))
 
 
 async def _ended_by(server, client, error_type, match: str):

@@ -1,5 +1,5 @@
-"""Fault injection: the parameter server through a proxy that delays, drops, truncates, duplicates
-and resets (``tests/support/faultproxy.py``), as asyncpg tests its protocol.
+"""Fault injection: the parameter server through a proxy that delays, drops, truncates, duplicates,
+resets and flips bits (``tests/support/faultproxy.py``), as asyncpg tests its protocol.
 
 Every case of the job (three worker processes, a shard on each, server-side SGD, one worker's
 link to a remote shard proxied; ``tests/support/faultworkers.py``) is held to one contract:
@@ -7,11 +7,10 @@ link to a remote shard proxied; ``tests/support/faultworkers.py``) is held to on
 1. on every rank it ends in success or in a documented error (ConnectionLost, FrameError and the
    rest of RemoteProtocolError, PeerTimeout, SyncTimeout, WorkerLeft), within its stated bound;
 2. no event-loop callback raised and nothing logged a traceback;
-3. no data applied twice: after every clock a rank completed, its parameters are those of an
-   uninterrupted run, bit for bit. The one exception is a dropped or repeated byte span that
-   does not follow frame boundaries: wire v1 checksums headers only (payload integrity is TCP's,
-   ``docs/wire.md``), so from the first data frame such a fault garbles on, nothing is promised
-   (and the strict xfail below shows a worker using such a frame);
+3. nothing garbled and nothing twice is ever applied: after every clock a rank completed, its
+   parameters are those of an uninterrupted run, bit for bit, whatever the fault. Every payload
+   carries a CRC32C (wire v2, ``docs/wire.md``), so a flipped bit, or a dropped or repeated
+   byte span that shifts a header into a payload, fails the frame before anyone uses it;
 4. a shard that saw every clock through waits for nothing more.
 
 Delays within the timeouts must end in success. The proxy's own layers are tested first: the
@@ -21,6 +20,7 @@ sans-IO stream on known and generated input, then the proxy between real connect
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import time
 from dataclasses import replace
@@ -50,19 +50,20 @@ from .support.procs import net_config
 from .support.psworkers import manifest_of
 
 UP, DOWN = Direction.UP, Direction.DOWN
-DELAY, DROP, TRUNCATE, DUPLICATE, RESET = (
+DELAY, DROP, TRUNCATE, DUPLICATE, RESET, FLIP = (
     FaultKind.DELAY,
     FaultKind.DROP,
     FaultKind.TRUNCATE,
     FaultKind.DUPLICATE,
     FaultKind.RESET,
+    FaultKind.FLIP,
 )
 PUSH, PARAMS = Kind.PUSH, Kind.PARAMS
 
 
 # -- the sans-IO stream ------------------------------------------------------------------------
 
-# HELLO, PUSH #0, HEARTBEAT, PUSH #1, PUSH #2: offsets 0, 42, 90, 130, 178; 226 bytes.
+# HELLO, PUSH #0, HEARTBEAT, PUSH #1, PUSH #2: offsets 0, 46, 98, 142, 194; 246 bytes.
 KNOWN = [
     encode_frame(Kind.HELLO, b"{}", rank=1, dtype=DType.JSON),
     encode_frame(PUSH, b"a" * 8, rank=1, key=0, clock=0),
@@ -118,7 +119,11 @@ def _feed(fault_list, data: bytes, cuts=()) -> tuple:
         (Fault(DUPLICATE, UP, frame=2, frames=1), [Forward(H + P0 + HB + HB + P1 + P2)]),
         (
             Fault(DUPLICATE, UP, frame=0, frame_kind=PUSH, skew=38, nbytes=4),
-            [Forward(WHOLE[:84] + WHOLE[80:84] + WHOLE[84:])],
+            [Forward(WHOLE[:88] + WHOLE[84:88] + WHOLE[88:])],
+        ),
+        (
+            Fault(FLIP, UP, frame=1, frame_kind=PUSH, skew=HEADER_SIZE + 3, bit=6),
+            [Forward(WHOLE[: AT_P1 + HEADER_SIZE + 3] + b"\x22" + WHOLE[AT_P1 + HEADER_SIZE + 4 :])],  # b"b" ^ 0x40
         ),
     ],
     ids=str,
@@ -334,8 +339,8 @@ def reference(pool) -> dict:
 
 
 def _first_garbled_clock(outcomes: dict):
-    """The first clock whose parameters a garbled data frame may have touched: a PUSH of clock
-    c, or the PARAMS reply of clock c (sent as clock c + 1)."""
+    """The first clock whose parameters a garbled data frame would have touched, had it been
+    used: a PUSH of clock c, or the PARAMS reply of clock c (sent as clock c + 1)."""
     clocks = []
     for o in outcomes.values():
         for counters in o.proxies.values():
@@ -343,6 +348,10 @@ def _first_garbled_clock(outcomes: dict):
                 kind, _, clock = counters["corrupted"]
                 clocks.append(clock - 1 if kind == "PARAMS" else clock)
     return min(clocks, default=None)
+
+
+class GarbledClock(AssertionError):
+    """A worker completed a clock with parameters no uninterrupted run has."""
 
 
 def check(case: Case, outcomes: dict, reference: dict, bound: float) -> str:
@@ -357,12 +366,13 @@ def check(case: Case, outcomes: dict, reference: dict, bound: float) -> str:
         if o.ok:
             assert o.leftover == {}, f"{where}: its shard still waits for {o.leftover} after every clock"
     garbled = _first_garbled_clock(outcomes)
-    assert garbled is None or any(p.mangles for p in plans), "only byte-span faults garble frames"
+    assert garbled is None or any(p.mangles for p in plans), "only byte-span faults and flips garble frames"
     for rank, o in outcomes.items():
         for clock, digest in o.completed.items():
-            if garbled is None or clock < garbled:
-                assert digest == reference[clock], (
-                    f"case {case.name}: rank {rank}'s parameters after clock {clock} differ from an uninterrupted run"
+            if digest != reference[clock]:
+                raise GarbledClock(
+                    f"case {case.name}: rank {rank}'s parameters after clock {clock} differ from an uninterrupted "
+                    f"run (a garbled frame was due at clock {garbled})"
                 )
     ends = ", ".join(f"{r}: {o.error or 'ok'} {o.elapsed:.1f}s" for r, o in sorted(outcomes.items()))
     ends += "".join(f"\n    {r}: {o.message}" for r, o in sorted(outcomes.items()) if o.error)
@@ -381,9 +391,11 @@ def _plan(*faults: Fault) -> dict:
     return {LINK: FaultPlan(faults)}
 
 
-# What is seen where the fault is: shard 0 meets a header that is not one (a FrameError, passed
-# on to rank 1 in an ERROR frame and to the others in WORKER_LEFT), or the proxy resets the link.
-GARBLED_HEADER = r"bad magic|header checksum mismatch"
+# What is seen where the fault is: shard 0 meets a header that is not one, or a payload whose
+# CRC32C does not match (a FrameError, passed on to rank 1 in an ERROR frame and to the others in
+# WORKER_LEFT), or the proxy resets the link.
+GARBLED_HEADER = r"bad magic|header checksum mismatch|payload checksum mismatch"
+GARBLED_PAYLOAD = "payload checksum mismatch"
 RESET_SEEN = "reset by peer|broken pipe"
 # What a rank hears when another rank ended first. Which of the two news reaches a rank first is
 # up to the scheduler (rank 1 may be descheduled while ranks 0 and 2 fail and say so), so rank 1
@@ -437,7 +449,7 @@ KIND_CASES = [
         Case("truncate-params", _plan(Fault(TRUNCATE, DOWN, frame=5, frame_kind=PARAMS, skew=500))),
         "fail",
         SLOW,
-        r"460 of \d+ payload bytes of PARAMS key \d+ clock 2 had arrived",
+        r"456 of \d+ payload bytes of PARAMS key \d+ clock 2 had arrived",
     ),
     # Which way this goes depends on whether the others pushed clock 1 before the repeat came.
     (Case("duplicate-frames-up", _plan(Fault(DUPLICATE, UP, frame=2, frame_kind=PUSH, frames=2))), "any", SLOW, None),
@@ -484,6 +496,19 @@ KIND_CASES = [
     ),
     # During AUTH: rank 1 never joins; the others wait for it at the start-up barrier.
     (Case("reset-handshake", _plan(Fault(RESET, UP, frame=1, skew=10))), "fail", SLOW, RESET_SEEN),
+    # One bit of a payload, either way: the receiver's CRC32C check refuses the frame unused.
+    (
+        Case("flip-push", _plan(Fault(FLIP, UP, frame=3, frame_kind=PUSH, skew=HEADER_SIZE + 123, bit=2))),
+        "fail",
+        SLOW,
+        GARBLED_PAYLOAD,
+    ),
+    (
+        Case("flip-params", _plan(Fault(FLIP, DOWN, frame=4, frame_kind=PARAMS, skew=HEADER_SIZE + 900, bit=7))),
+        "fail",
+        SLOW,
+        GARBLED_PAYLOAD,
+    ),
 ]
 
 
@@ -529,34 +554,62 @@ def test_seeded_random_plans_end_in_success_or_a_documented_error(pool, referenc
         assert all(o.ok for o in outcomes.values()), {r: o.message for r, o in outcomes.items()}
 
 
-class GarbledClock(AssertionError):
-    """A worker completed a clock with parameters no uninterrupted run has."""
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_garbled_payload_is_caught_before_it_is_used(pool, reference):
+    """Once a strict xfail (wire v1 checked headers only): 8 bytes repeated inside a PARAMS
+    payload shift its last 8 into the next header's place and the frame completed with wrong
+    values, which the worker used (a drop from that frame's end on kept the misplaced header from
+    being noticed first). Now the frame's CRC32C fails and nothing of it is used."""
+    case = Case("garbled-params", _plan(Fault(DUPLICATE, DOWN, frame=5, frame_kind=PARAMS, skew=500, nbytes=8)))
+    outcomes = pool.run(case, SLOW)
+    print(check(case, outcomes, reference, SLOW))
+    assert not any(o.ok for o in outcomes.values()) and not _unfired(outcomes)
+    assert GARBLED_PAYLOAD in outcomes[1].message
+    assert all(clock < 1 for clock in outcomes[1].completed)  # the reply was rank 1's
+
+
+# -- bit flips in payloads at random places ------------------------------------------------------
+
+FLIP_SEEDS = range(24)
+
+
+def _flip_plan(seed: int) -> tuple:
+    """One bit of one payload, drawn from ``seed``: ``(link, fault, clock it belongs to)``; the
+    start-up pull's replies belong to clock -1."""
+    rng = random.Random(seed)
+    link = REMOTE_LINKS[seed % len(REMOTE_LINKS)]
+    direction = rng.choice([UP, DOWN])
+    kind, count, smallest = _targets(*link)[direction]
+    per_clock = len(_book().messages_of_shard(link[1]))
+    frame = rng.randrange(count)
+    skew, bit = rng.randrange(HEADER_SIZE, smallest), rng.randrange(8)
+    fault = Fault(FLIP, direction, frame=frame, frame_kind=kind, skew=skew, bit=bit)
+    pulls = count - CLOCKS * per_clock  # PARAMS frames before clock 0's: the start-up pull (none up)
+    return link, fault, (frame - pulls) // per_clock
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-@pytest.mark.xfail(
-    strict=True,
-    raises=GarbledClock,
-    reason=(
-        "wire v1 checksums headers, not payloads (docs/wire.md: payload integrity is TCP's): 8 bytes "
-        "repeated inside a PARAMS payload shift its last 8 into the next header's place, the frame "
-        "completes with wrong values and the worker finishes the clock with them; the misplaced "
-        "header is only noticed when more bytes come"
-    ),
-)
-def test_a_garbled_payload_is_not_noticed_before_it_is_used(pool, reference):
-    case = Case(
-        "garbled-params",
-        _plan(
-            Fault(DUPLICATE, DOWN, frame=5, frame_kind=PARAMS, skew=500, nbytes=8),  # clock 1's reply
-            Fault(DROP, DOWN, frame=5, frame_kind=PARAMS, skew=1000),  # from that frame's end on: no more bytes
-        ),
-    )
+@pytest.mark.parametrize("seed", FLIP_SEEDS)
+def test_a_bit_flipped_at_random_in_a_payload_fails_the_step_unused_on_every_rank(pool, reference, seed):
+    link, fault, clock = _flip_plan(seed)
+    case = Case(f"flip-{seed}", {link: FaultPlan((fault,), seed)})
     outcomes = pool.run(case, SLOW)
     print(check(case, outcomes, reference, SLOW))
-    assert not any(o.ok for o in outcomes.values()) and not _unfired(outcomes)
+    flipped = sum(c["bits_flipped"] for o in outcomes.values() for c in o.proxies.values())
+    detected = any(GARBLED_PAYLOAD in o.message for o in outcomes.values())
+    applied = sum(1 for o in outcomes.values() for c, d in o.completed.items() if d != reference[c])
+    print(
+        f"FLIP seed {seed}: {fault} on link {link} (clock {clock}): "
+        f"flipped {flipped}, detected {detected}, applied {applied}"
+    )
+    assert flipped == 1 and detected and applied == 0
+    assert not any(o.ok for o in outcomes.values()), "a flip on a link every clock needs ended no rank's run"
     for rank, o in sorted(outcomes.items()):
-        for clock, digest in sorted(o.completed.items()):
-            if digest != reference[clock]:
-                raise GarbledClock(f"rank {rank} completed clock {clock} with parameters no uninterrupted run has")
+        print(f"  rank {rank}: {o.error}: {o.message}")
+        named = GARBLED_PAYLOAD in o.message or re.search(CASCADE, o.message)
+        assert o.error is not None and named, (rank, o.message)
+    # A flipped push stops its clock everywhere; a flipped reply, on the rank it was for.
+    stopped = outcomes.values() if fault.direction is UP else [outcomes[link[0]]]
+    assert all(c < clock for o in stopped for c in o.completed), (clock, [sorted(o.completed) for o in stopped])

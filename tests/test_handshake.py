@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from poseidon_aio.errors import AuthenticationError, HandshakeError, LocalProtocolError, VersionMismatch
+from poseidon_aio.errors import (
+    AuthenticationError,
+    ChannelBindingError,
+    HandshakeError,
+    LocalProtocolError,
+    VersionMismatch,
+)
 from poseidon_aio.net.handshake import Handshake, Role, State
 from poseidon_aio.wire import DType, Frame, Header, Kind
 
@@ -84,11 +90,11 @@ def test_a_proof_cannot_be_reflected_as_the_other_role():
 
 
 def test_version_mismatch_is_refused_by_the_server():
-    client = Handshake(Role.CLIENT, 0, TOKEN, protocol=2)
+    client = Handshake(Role.CLIENT, 0, TOKEN, protocol=3)
     server = Handshake(Role.SERVER, 1, TOKEN)
     refusal = run_pair(client, server)
     assert isinstance(server.error, VersionMismatch)
-    with pytest.raises(VersionMismatch, match="protocol version 2"):
+    with pytest.raises(VersionMismatch, match="protocol version 3"):
         deliver(refusal, client)
 
 
@@ -115,3 +121,59 @@ def test_short_tokens_and_finished_handshakes_are_local_errors():
     run_pair(client, server)
     with pytest.raises(LocalProtocolError, match="takes no more frames"):
         client.receive(frame(Kind.WELCOME, b"{}"))
+
+
+# -- what the proofs bind beyond the token: the TLS channel and the checksum choice ------------
+
+LISTENER_CERT, RELAY_CERT = "ab" * 32, "cd" * 32
+
+
+def test_the_same_view_of_the_listener_certificate_completes():
+    client = Handshake(Role.CLIENT, 0, TOKEN, tls=LISTENER_CERT)
+    server = Handshake(Role.SERVER, 1, TOKEN, tls=LISTENER_CERT)
+    run_pair(client, server)
+    assert client.ready and server.ready
+
+
+def test_a_relayed_tls_channel_is_refused_by_the_listener_before_it_proves_anything():
+    """The client was shown the relay's certificate: the listener refuses at HELLO, so a relay
+    learns no proof it could test token guesses against."""
+    client = Handshake(Role.CLIENT, 0, TOKEN, tls=RELAY_CERT)
+    server = Handshake(Role.SERVER, 1, TOKEN, tls=LISTENER_CERT)
+    refusal = run_pair(client, server)
+    assert isinstance(server.error, ChannelBindingError)
+    assert "proof" not in json.loads(refusal[0][1])["message"]
+    assert "man in the middle" in str(server.error) and "cdcdcdcdcdcdcdcd" in str(server.error)
+    with pytest.raises(ChannelBindingError, match="refused the connection: TLS channel binding mismatch"):
+        deliver(refusal, client)
+
+
+def _rewrite(messages, **fields):
+    kind, payload = messages[0]
+    return [(kind, json.dumps({**json.loads(payload), **fields}).encode())]
+
+
+def test_a_relay_that_rewrites_the_binding_fields_fails_the_proofs():
+    """A relay that tells each end what it expects to hear still cannot make the proofs match."""
+    client = Handshake(Role.CLIENT, 0, TOKEN, tls=RELAY_CERT)
+    server = Handshake(Role.SERVER, 1, TOKEN, tls=LISTENER_CERT)
+    challenge = deliver(_rewrite(client.start(), tls=LISTENER_CERT), server)
+    deliver(_rewrite(challenge, tls=RELAY_CERT), client)
+    assert isinstance(client.error, AuthenticationError) and not server.error
+
+
+@pytest.mark.parametrize("mine,theirs", [(True, True), (True, False), (False, True), (False, False)])
+def test_payloads_are_checksummed_when_either_end_asks(mine, theirs):
+    client = Handshake(Role.CLIENT, 0, TOKEN, checksum=mine)
+    server = Handshake(Role.SERVER, 1, TOKEN, checksum=theirs)
+    run_pair(client, server)
+    assert client.ready and server.ready
+    assert client.checksum == server.checksum == (mine or theirs)
+
+
+def test_turning_off_the_peers_checksums_in_transit_fails_the_proofs():
+    client = Handshake(Role.CLIENT, 0, TOKEN, checksum=True)
+    server = Handshake(Role.SERVER, 1, TOKEN, checksum=False)
+    challenge = deliver(_rewrite(client.start(), checksum=False), server)
+    deliver(challenge, client)
+    assert isinstance(client.error, AuthenticationError)

@@ -71,10 +71,10 @@ async def test_wrong_token_is_refused_on_both_ends():
 async def test_wrong_protocol_version_is_refused_on_both_ends():
     with child(echo_server, TOKEN, False, {}) as (proc, pipe, port):
         async with asyncio.timeout(30):
-            with pytest.raises(VersionMismatch, match="speaks protocol version 2"):
-                await connect("127.0.0.1", port, rank=0, config=net_config(), protocol=2)
+            with pytest.raises(VersionMismatch, match="speaks protocol version 3"):
+                await connect("127.0.0.1", port, rank=0, config=net_config(), protocol=3)
         refused = report(pipe)["refused"]
-    assert refused and refused[0][0] == "VersionMismatch" and "version 2" in refused[0][1]
+    assert refused and refused[0][0] == "VersionMismatch" and "version 3" in refused[0][1]
 
 
 async def test_listener_refuses_a_client_of_another_version():
@@ -219,6 +219,96 @@ async def test_malformed_frame_ends_one_connection_and_the_listener_keeps_servin
             await good.send(Kind.PUSH, b"still serving", key=1, clock=1)
             assert bytes((await fut).payload) == b"still serving"
             await good.close()
+    finally:
+        await listener.close()
+
+
+async def test_a_corrupted_payload_ends_its_connection_unused_naming_peer_key_and_clock():
+    """The listener has registered where the payload lands; the frame still never reaches it."""
+    received = []
+
+    async def serve(conn):
+        received.append(conn)
+        conn.expect(Kind.PUSH, 3, 7, into=bytearray(256))
+
+    listener = await listen("127.0.0.1", 0, rank=1, config=net_config(), on_connection=serve)
+    try:
+
+        def corrupt():
+            with socket.create_connection(listener.address, timeout=10) as sock:
+                _raw_handshake(sock, Handshake(Role.CLIENT, 5, TOKEN))
+                frame = bytearray(encode_frame(Kind.PUSH, bytes(range(256)), rank=5, key=3, clock=7, checksum=True))
+                frame[-100] ^= 0x10  # one bit, as a bad NIC flips it
+                sock.sendall(frame)
+                replies = b""
+                while chunk := sock.recv(4096):
+                    replies += chunk
+                return replies
+
+        async with asyncio.timeout(20):
+            replies = await asyncio.to_thread(corrupt)
+        await until(lambda: received and received[0].error is not None, what="the corrupted connection ending")
+        error = received[0].error
+        assert isinstance(error, FrameError)
+        assert str(error).startswith("payload checksum mismatch in PUSH key 3 clock 7 from rank 5 (256 bytes")
+        assert "from rank 5 at 127.0.0.1:" in str(error) and b"payload checksum mismatch" in replies
+    finally:
+        await listener.close()
+
+
+async def test_a_peer_of_wire_version_1_is_refused_with_a_version_error():
+    import struct
+    import zlib
+
+    listener = await listen("127.0.0.1", 0, rank=1, config=net_config(), on_connection=lambda conn: None)
+    try:
+
+        def old_release():
+            hello = b'{"protocol":1,"rank":0,"nonce":"00"}'
+            body = struct.pack("<4sBBHIIQQB3x", b"PSDN", 1, Kind.HELLO, 0, 0, 0, 0, len(hello), DType.JSON)
+            with socket.create_connection(listener.address, timeout=10) as sock:
+                sock.sendall(body + zlib.crc32(body).to_bytes(4, "little") + hello)
+                return sock.recv(4096)
+
+        async with asyncio.timeout(20):
+            reply = await asyncio.to_thread(old_release)
+            await listener.wait_refused(1, timeout=20)
+        refused = listener.refused[0]
+        assert isinstance(refused, VersionMismatch)
+        assert "speaks wire version 1, this build speaks 2: run the same poseidon_aio release" in str(refused)
+        assert reply[:5] == b"PSDN\x02"  # told why, in frames the old release refuses by their version
+    finally:
+        await listener.close()
+
+
+@pytest.mark.parametrize(
+    "dialler,listener_side,expected",
+    [
+        (dict(), dict(), True),
+        (dict(payload_checksum=False), dict(), True),
+        (dict(), dict(payload_checksum=False), True),
+        (dict(payload_checksum=False), dict(payload_checksum=False), False),
+        (dict(tls=True), dict(tls=True), False),
+    ],
+    ids=["both", "listener-asks", "dialler-asks", "neither", "tls"],
+)
+async def test_payloads_are_checksummed_unless_neither_end_asks_or_tls_is_on(dialler, listener_side, expected):
+    conns = []
+
+    async def serve(conn):
+        conns.append(conn)
+        frame = await conn.recv()
+        await conn.send(Kind.AGGREGATE, frame.payload, key=frame.key, clock=frame.clock)
+
+    listener = await listen("127.0.0.1", 0, rank=1, config=net_config(**listener_side), on_connection=serve)
+    try:
+        async with asyncio.timeout(20):
+            conn = await connect(*listener.address, rank=0, config=net_config(**dialler))
+            fut = conn.expect(Kind.AGGREGATE, 1, 1)
+            await conn.send(Kind.PUSH, b"x" * 1000, key=1, clock=1)
+            assert bytes((await fut).payload) == b"x" * 1000
+        assert conn.payload_checksum == conns[0].payload_checksum == expected
+        await conn.close()
     finally:
         await listener.close()
 
@@ -451,7 +541,8 @@ async def test_an_authenticated_peer_announcing_1_gib_does_not_make_us_allocate_
     try:
         await asyncio.to_thread(_raw_handshake, sock, Handshake(Role.CLIENT, 5, TOKEN))
         await until(lambda: conns, what="the peer being admitted")
-        header = encode_header(Kind.PUSH, rank=5, key=3, clock=7, length=announced, dtype=DType.FLOAT32)
+        # Its payload never completes, so the checksum the connection agreed to is never tested.
+        header = encode_header(Kind.PUSH, rank=5, key=3, clock=7, length=announced, dtype=DType.FLOAT32, payload_crc=0)
         # 256 KiB more than awaited: that much of a payload may wait in the kernel until more
         # comes (SO_RCVLOWAT, Connection._tune_lowat), and the whole 1 MiB must be read.
         beyond = 256 << 10

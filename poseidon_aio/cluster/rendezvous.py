@@ -419,15 +419,16 @@ class Rendezvous:
         try:
             info = json.loads(text)
             rank, reason = int(info["rank"]), str(info["reason"])
+            during = str(info.get("during", "start-up"))
         except (ValueError, KeyError, TypeError):
-            rank, reason = -1, text
+            rank, reason, during = -1, text, "start-up"
         return StartupAborted(
-            f"rank {self.env.rank} stopped {waiting_for}: rank {rank} failed during start-up: {reason}",
+            f"rank {self.env.rank} stopped {waiting_for}: rank {rank} failed during {during}: {reason}",
             rank=rank,
             reason=reason,
         )
 
-    async def abort(self, error: BaseException) -> None:
+    async def abort(self, error: BaseException, during: str = "start-up") -> None:
         """Tell every rank waiting on this store that this rank failed during start-up, and why.
 
         Only the first abort on a store is kept (the root cause; later ones are mostly its echoes),
@@ -437,6 +438,8 @@ class Rendezvous:
         Args:
             error: the failure; its type and the first 500 characters of its message are
                 published, so a message must never hold a secret (none of this library's do).
+            during: what the rank was doing, for the message ("training": a rank that failed
+                a step, so that ranks waiting to leave hear why at once).
         """
         if self._store is None or isinstance(error, (StartupAborted, asyncio.CancelledError)):
             return
@@ -445,7 +448,7 @@ class Rendezvous:
         reason = f"{type(error).__name__}: {error}"
         if len(reason) > _REASON_MAX:
             reason = reason[: _REASON_MAX - 3] + "..."
-        text = json.dumps({"rank": self.env.rank, "reason": reason})
+        text = json.dumps({"rank": self.env.rank, "reason": reason, "during": during})
         try:
             await self._call(
                 "publishing an abort", self._store.compare_set, self._abort_key, "", text, timeout=_ABORT_TIMEOUT

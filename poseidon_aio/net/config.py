@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import ssl
 from dataclasses import dataclass, field
 from typing import Optional
@@ -15,18 +17,58 @@ from .shaper import ShaperConfig
 class TLSConfig:
     """TLS for every connection (stdlib ``ssl``), on top of the token handshake.
 
+    The token handshake runs inside TLS and covers the listener's certificate as each end sees
+    it, so a relay that terminates TLS on both sides is refused (``ChannelBindingError``).
+
     Args:
         certfile, keyfile: this process's certificate chain and key (PEM).
-        cafile: CA bundle that signs the peers' certificates; when given, listeners require client
-            certificates too (mutual TLS).
+        cafile: CA bundle that signs the peers' certificates; listeners require client
+            certificates too (mutual TLS). Required unless ``unauthenticated``.
         check_hostname: verify the dialled host name against the certificate. Off by default:
             cluster peers are usually dialled by IP address; the token handshake still runs inside.
+        unauthenticated: TLS without a CA: no certificate is checked, and who a peer is rests on
+            the cluster token alone (README, "Security", says what this leaves open).
+    Raises:
+        ConfigError: no ``cafile`` and not ``unauthenticated``, or both.
+
+    >>> TLSConfig("cert.pem", "key.pem", cafile="ca.pem").unauthenticated
+    False
     """
 
     certfile: str
     keyfile: str
     cafile: Optional[str] = None
     check_hostname: bool = False
+    unauthenticated: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.cafile and not self.unauthenticated:
+            raise ConfigError(
+                "TLS without a CA cannot tell a peer from an impostor: give TLSConfig(cafile=...) "
+                "(POSEIDON_TLS_CA; `poseidon-aio run --tls` makes one), or opt into encryption "
+                "without authentication with TLSConfig(unauthenticated=True) "
+                "(POSEIDON_TLS_UNAUTHENTICATED=1); README, Security, says what that leaves open"
+            )
+        if self.cafile and self.unauthenticated:
+            raise ConfigError("TLSConfig takes a cafile or unauthenticated=True, not both")
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """SHA-256 (hex) of this process's certificate, DER-encoded: what the handshake binds.
+
+        Raises:
+            ConfigError: ``certfile`` cannot be read or holds no PEM certificate.
+        """
+        try:
+            with open(self.certfile, encoding="ascii") as f:
+                pem = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"TLSConfig.certfile {self.certfile}: cannot read it ({exc})") from None
+        # The chain's first certificate is the one TLS presents.
+        start, end = pem.find(ssl.PEM_HEADER), pem.find(ssl.PEM_FOOTER)
+        if start < 0 or end < start:
+            raise ConfigError(f"TLSConfig.certfile {self.certfile} holds no PEM certificate")
+        return hashlib.sha256(ssl.PEM_cert_to_DER_cert(pem[start : end + len(ssl.PEM_FOOTER)])).hexdigest()
 
     def server_context(self) -> ssl.SSLContext:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -84,6 +126,10 @@ class NetConfig:
             inbound bytes/s, a per-message start-up), shared by the worker mesh and the
             parameter server's links; ``None``: no process-wide cap.
         tls: TLS settings, or ``None`` for plain TCP.
+        payload_checksum: put a CRC32C of every payload in its frame and check it on receipt,
+            so that corruption the TCP checksum misses (NICs, switches, memory) fails the step
+            instead of reaching the model. A connection checksums when either end asks for it
+            and neither uses TLS (TLS's own MAC covers every byte).
 
     >>> NetConfig(token=b"x" * 16).idle_timeout
     30.0
@@ -104,6 +150,7 @@ class NetConfig:
     shaper: ShaperConfig = field(default_factory=ShaperConfig)
     bandwidth: Optional[ShaperConfig] = None
     tls: Optional[TLSConfig] = None
+    payload_checksum: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.token, str):

@@ -10,6 +10,10 @@ receive tensor): payload bytes are written once. Frames then go, in this order, 
 registered with :meth:`Connection.expect` for their ``(kind, key, clock)``, to the handler set with
 :meth:`Connection.set_handler`, or to an inbox read with :meth:`Connection.recv`.
 
+Payload integrity: unless TLS is on (its MAC covers every byte), both ends put a CRC32C of each
+payload in its header and the decoder checks it as the bytes land (``NetConfig.payload_checksum``;
+on when either end asks). A mismatch ends the connection with a ``FrameError`` naming the frame.
+
 Send path: ``transport.writelines([header, memoryview(payload)])`` over the payload's own memory.
 Above the write high-water mark senders queue, lowest ``priority`` value first, and wait for
 ``resume_writing``; with a shaper they also wait for tokens.
@@ -29,6 +33,7 @@ Connections are made by :func:`~poseidon_aio.net.dial.connect` and
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import socket
@@ -45,7 +50,7 @@ from ..errors import (
     PoseidonError,
     RemoteProtocolError,
 )
-from ..wire import DType, Frame, FrameDecoder, Header, Kind, encode_frame, encode_header
+from ..wire import DType, Frame, FrameDecoder, Header, Kind, encode_frame, encode_header, payload_crc
 from .backpressure import WriteTurns
 from .config import NetConfig
 from .endpoint import Endpoint, payload_views, silence
@@ -57,7 +62,7 @@ from .sockopts import LOWAT_MAX, LOWAT_MIN, LOWAT_OPT, option_socket
 log = logging.getLogger("poseidon_aio.net")
 
 _HANDSHAKE_KINDS = frozenset({Kind.HELLO, Kind.CHALLENGE, Kind.AUTH, Kind.WELCOME})
-# Below this a payload is joined to its header: one 40-byte write per frame costs more than a copy.
+# Below this a payload is joined to its header: one 44-byte write per frame costs more than a copy.
 _JOIN_BELOW = 16 * 1024
 # asyncio's own transports before 3.12 implement writelines as write(b"".join(...)): a full copy.
 _WRITELINES_COPIES = sys.version_info < (3, 12)
@@ -108,7 +113,12 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         self.peer_address = "unknown address"
         self.stats = ConnectionStats()
         self._decoder = FrameDecoder(max_payload=HANDSHAKE_MAX_PAYLOAD, allocate=self._allocate_frame)
-        self._handshake = Handshake(role, rank, config.token, protocol=protocol)
+        self._handshake = Handshake(
+            role, rank, config.token, protocol=protocol, checksum=config.payload_checksum and config.tls is None
+        )
+        # Handshake frames always carry a payload CRC32C (they are tiny); from WELCOME on, frames
+        # do when the two ends agreed to (Handshake.checksum).
+        self._checksum = True
         self._transport: Optional[asyncio.Transport] = None
         self._ready = self._loop.create_future()
         self._turns = WriteTurns(self._loop)
@@ -149,6 +159,12 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
     @property
     def is_open(self) -> bool:
         return self._exc is None and self._transport is not None
+
+    @property
+    def payload_checksum(self) -> bool:
+        """Whether frames on this connection carry and are checked against a payload CRC32C
+        (settled by the handshake: either end asked, and there is no TLS)."""
+        return self._checksum
 
     @property
     def unclaimed_bytes(self) -> int:
@@ -268,9 +284,20 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
                 self._lowat_sock, self._lowat_owned = option_socket(sock)
         transport.set_write_buffer_limits(self.config.write_high_water, self.config.write_low_water)
         self._handshake.peer = self.peer_address
+        self._handshake.tls = self._channel_binding(transport)
         for kind, payload in self._handshake.start():
             self._write_control(kind, payload, DType.JSON)
         self._arm_tick()
+
+    def _channel_binding(self, transport: asyncio.BaseTransport) -> str:
+        """The listener's certificate as this end sees it (SHA-256 hex), or "" without TLS."""
+        ssl_object = transport.get_extra_info("ssl_object")
+        if ssl_object is None:
+            return ""
+        if self.role is Role.SERVER:
+            return self.config.tls.fingerprint
+        der = ssl_object.getpeercert(binary_form=True)
+        return hashlib.sha256(der).hexdigest() if der else "no certificate"
 
     def _transport_failed(self, exc: BaseException, tls: bool) -> None:
         """The loop could not bring the transport up: TLS failed or timed out, or the peer left."""
@@ -305,7 +332,7 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
             if self._exc is not None:
                 return  # _allocate_frame ended the link already, saying why
             if isinstance(exc, FrameError):
-                self._fail(FrameError(f"{exc}; from {self.where}, closing that connection"), "error", exc)
+                self._fail(type(exc)(f"{exc}; from {self.where}, closing that connection"), "error", exc)
             elif isinstance(exc, PoseidonError):
                 self._fail(exc, "abort")
             else:
@@ -433,6 +460,8 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         elif self._handshake.ready:
             self.peer_rank = self._handshake.peer_rank
             self._decoder.max_payload = self.config.max_payload
+            self._checksum = self._handshake.checksum
+            self._decoder.require_checksum = self._checksum
             self._handshake_timer.cancel()
             self._ready.set_result(self)
 
@@ -475,7 +504,10 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         """``([header, *payload views], total bytes)``: what :meth:`_write` takes."""
         views = payload_views(payload)
         length = sum(v.nbytes for v in views)
-        header = encode_header(kind, rank=self.rank, key=key, clock=clock, length=length, dtype=dtype, flags=flags)
+        crc = payload_crc(views) if self._checksum else None
+        header = encode_header(
+            kind, rank=self.rank, key=key, clock=clock, length=length, dtype=dtype, flags=flags, payload_crc=crc
+        )
         return [header, *views], len(header) + length
 
     def _write(self, parts: list, nbytes: int) -> None:
@@ -501,7 +533,7 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         # of gradients would time the peer out), so they skip backpressure and the shaper.
         if self._transport is None:
             return
-        self._transport.write(encode_frame(kind, payload, rank=self.rank, dtype=dtype))
+        self._transport.write(encode_frame(kind, payload, rank=self.rank, dtype=dtype, checksum=self._checksum))
         self._last_send = self._loop.time()
 
     # -- liveness ---------------------------------------------------------------------------

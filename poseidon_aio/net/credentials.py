@@ -3,13 +3,14 @@
 Secrets never travel through the rendezvous store: anyone who can reach MASTER_ADDR:MASTER_PORT
 can read every key there without authenticating. The launcher hands them to each worker instead:
 
-=========================  =============================================================
-``POSEIDON_TOKEN``         the cluster token itself (text, at least 16 bytes)
-``POSEIDON_TOKEN_FILE``    a file holding it (e.g. a Kubernetes secret mounted read-only)
-``POSEIDON_TLS_CERT``      this process's certificate chain (PEM); turns TLS on
-``POSEIDON_TLS_KEY``       its private key (PEM)
-``POSEIDON_TLS_CA``        CA bundle the peers' certificates must chain to (mutual TLS)
-=========================  =============================================================
+=================================  =====================================================
+``POSEIDON_TOKEN``                 the cluster token itself (text, at least 16 bytes)
+``POSEIDON_TOKEN_FILE``            a file holding it (e.g. a Kubernetes secret mounted read-only)
+``POSEIDON_TLS_CERT``              this process's certificate chain (PEM); turns TLS on
+``POSEIDON_TLS_KEY``               its private key (PEM)
+``POSEIDON_TLS_CA``                CA bundle the peers' certificates must chain to (mutual TLS)
+``POSEIDON_TLS_UNAUTHENTICATED``   ``1``: TLS without a CA, encryption only (README, Security)
+=================================  =====================================================
 
 ``poseidon-aio run`` draws a fresh token for the job and passes it to its local workers in their
 environment (readable only by the same user and root), and with ``--tls`` makes a self-signed
@@ -31,6 +32,7 @@ from .config import NetConfig, TLSConfig
 TOKEN_ENV = "POSEIDON_TOKEN"
 TOKEN_FILE_ENV = "POSEIDON_TOKEN_FILE"
 TLS_ENV = {"certfile": "POSEIDON_TLS_CERT", "keyfile": "POSEIDON_TLS_KEY", "cafile": "POSEIDON_TLS_CA"}
+TLS_UNAUTHENTICATED_ENV = "POSEIDON_TLS_UNAUTHENTICATED"
 MIN_TOKEN_BYTES = 16
 
 
@@ -68,7 +70,8 @@ def tls_from_env(env: Optional[Mapping[str, str]] = None) -> Optional[TLSConfig]
     """TLS settings from ``POSEIDON_TLS_CERT``/``_KEY``/``_CA``, or ``None`` when no certificate is set.
 
     Raises:
-        ConfigError: a certificate without its key (or the reverse), or a file that does not exist.
+        ConfigError: a certificate without its key (or the reverse), a file that does not exist,
+            or no CA without ``POSEIDON_TLS_UNAUTHENTICATED=1``.
     """
     env = os.environ if env is None else env
     files = {field: env.get(var) or None for field, var in TLS_ENV.items()}
@@ -79,7 +82,7 @@ def tls_from_env(env: Optional[Mapping[str, str]] = None) -> Optional[TLSConfig]
     for field, path in files.items():
         if path and not Path(path).is_file():
             raise ConfigError(f"{TLS_ENV[field]}={path}: no such file")
-    return TLSConfig(**files)
+    return TLSConfig(**files, unauthenticated=env.get(TLS_UNAUTHENTICATED_ENV) == "1")
 
 
 def self_signed(directory: str, *, days: int = 7) -> TLSConfig:
@@ -146,4 +149,7 @@ def config_from_env(env: Optional[Mapping[str, str]] = None, **settings) -> NetC
 
 def tls_env(tls: TLSConfig) -> dict:
     """The environment variables that hand ``tls`` to worker processes (see :func:`tls_from_env`)."""
-    return {var: getattr(tls, field) for field, var in TLS_ENV.items() if getattr(tls, field)}
+    env = {var: getattr(tls, field) for field, var in TLS_ENV.items() if getattr(tls, field)}
+    if tls.unauthenticated:
+        env[TLS_UNAUTHENTICATED_ENV] = "1"
+    return env

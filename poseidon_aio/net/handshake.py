@@ -3,19 +3,33 @@
 HMAC-SHA256 challenge-response on the shared cluster token, with a fresh 32-byte nonce from each
 side so that a recorded handshake cannot be replayed to either end::
 
-    dialer (client)                                  listener (server)
-    HELLO {protocol, rank, nonce_c}          ->
-                                             <-      CHALLENGE {protocol, rank, nonce_s, proof_s}
-    AUTH {proof_c}                           ->
-                                             <-      WELCOME {}
+    dialer (client)                                        listener (server)
+    HELLO {protocol, rank, nonce_c, tls_c, checksum_c} ->
+                                                       <-  CHALLENGE {protocol, rank, nonce_s,
+                                                                      tls_s, checksum_s, proof_s}
+    AUTH {proof_c}                                     ->
+                                                       <-  WELCOME {}
 
-    proof_s = HMAC(token, "poseidon-aio/server" | nonce_c | nonce_s | rank_c | rank_s)
-    proof_c = HMAC(token, "poseidon-aio/client" | nonce_c | nonce_s | rank_c | rank_s)
+    T       = nonce_c | nonce_s | rank_c | rank_s | tls | checksum_c | checksum_s
+    proof_s = HMAC(token, "poseidon-aio/server" | T)
+    proof_c = HMAC(token, "poseidon-aio/client" | T)
 
 Both proofs are bound to both nonces and both ranks, and labelled by role so one side's proof can
 never be reflected back as the other's. The server proves the token first, so a client never
-reveals anything to an impostor. Either side refuses with an ERROR frame whose JSON payload says
-why (``{"reason": "auth" | "version" | "protocol", "message": ...}``) and raises the matching
+reveals anything to an impostor.
+
+``tls`` is the TLS channel binding: the SHA-256 of the listener's certificate as this end sees
+it (the server: its own; the client: the one it was presented), empty without TLS. A relay that
+terminates TLS on each side must present the client a certificate of its own, since it lacks
+the listener's key, so the two ends' bindings differ: each end names its view in its first
+message, the other refuses a mismatch ("binding"), and a relay that rewrote those fields is still
+caught by the proofs, which it cannot make without the token. Python's ``ssl`` offers neither
+RFC 9266's tls-exporter nor, for TLS 1.3, a defined tls-unique; the certificate binding works on
+TLS 1.2 and 1.3 alike. ``checksum_*`` say whether each end asks for payload CRC32Cs; the
+connection checksums when either does (:attr:`Handshake.checksum`).
+
+Either side refuses with an ERROR frame whose JSON payload says why (``{"reason": "auth" |
+"binding" | "version" | "protocol", "message": ...}``) and raises the matching
 :class:`HandshakeError`. Until WELCOME no data frame is accepted and payloads are capped at
 ``HANDSHAKE_MAX_PAYLOAD`` bytes.
 """
@@ -31,13 +45,14 @@ from typing import Optional
 
 from ..errors import (
     AuthenticationError,
+    ChannelBindingError,
     HandshakeError,
     LocalProtocolError,
     VersionMismatch,
 )
 from ..wire import DType, Frame, Kind
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 NONCE_BYTES = 32
 # Handshake messages are ~200 bytes of JSON; 4 KiB leaves room and caps what an unauthenticated
 # peer can make us buffer.
@@ -66,11 +81,16 @@ TRANSITIONS = {
     (Role.SERVER, State.SENT_CHALLENGE, Kind.AUTH): State.READY,
 }
 
-_ERRORS = {"auth": AuthenticationError, "version": VersionMismatch, "protocol": HandshakeError}
+_ERRORS = {
+    "auth": AuthenticationError,
+    "binding": ChannelBindingError,
+    "version": VersionMismatch,
+    "protocol": HandshakeError,
+}
 
 
-def _proof(token: bytes, label: str, nonce_c: bytes, nonce_s: bytes, rank_c: int, rank_s: int) -> bytes:
-    msg = b"|".join([f"poseidon-aio/{label}".encode(), nonce_c, nonce_s, str(rank_c).encode(), str(rank_s).encode()])
+def _proof(token: bytes, label: str, transcript: list) -> bytes:
+    msg = b"|".join([f"poseidon-aio/{label}".encode(), *transcript])
     return hmac.new(token, msg, hashlib.sha256).digest()
 
 
@@ -83,6 +103,9 @@ class Handshake:
         token: the cluster token (bytes, at least 16 of them).
         peer: text naming the peer's address, for error messages.
         protocol: the protocol version to announce (tests use another to check refusal).
+        checksum: whether this end asks for payload CRC32Cs.
+        tls: the channel binding, once TLS is up (set it before :meth:`start`): the SHA-256 hex
+            of the listener's certificate as this end sees it; empty without TLS.
 
     Drive it with :meth:`start` (frames to send first) and :meth:`receive` (frames to send in
     reply); each returns a list of ``(kind, payload_bytes)``. After a refusal, :attr:`error` is
@@ -100,6 +123,8 @@ class Handshake:
         *,
         peer: str = "peer",
         protocol: int = PROTOCOL_VERSION,
+        checksum: bool = False,
+        tls: str = "",
     ) -> None:
         if not isinstance(token, bytes) or len(token) < 16:
             raise LocalProtocolError("the cluster token must be at least 16 bytes")
@@ -113,6 +138,14 @@ class Handshake:
         self._protocol = protocol
         self._nonce = os.urandom(NONCE_BYTES)
         self._peer_nonce = b""
+        self.tls = tls
+        self._checksum = checksum
+        self._peer_checksum = False
+
+    @property
+    def checksum(self) -> bool:
+        """Whether the connection checksums payloads: either end asked (valid once READY)."""
+        return self._checksum or self._peer_checksum
 
     @property
     def ready(self) -> bool:
@@ -122,7 +155,16 @@ class Handshake:
         if self.role is Role.SERVER:
             return []
         self._move(State.START, State.SENT_HELLO)
-        return [self._msg(Kind.HELLO, protocol=self._protocol, rank=self.rank, nonce=self._nonce.hex())]
+        return [
+            self._msg(
+                Kind.HELLO,
+                protocol=self._protocol,
+                rank=self.rank,
+                nonce=self._nonce.hex(),
+                tls=self.tls,
+                checksum=self._checksum,
+            )
+        ]
 
     def receive(self, frame: Frame) -> list:
         """Handle one frame received before READY; return the frames to send in reply.
@@ -168,7 +210,10 @@ class Handshake:
             )
         self.peer_rank = info["rank"]
         self._peer_nonce = self._nonce_from(info["nonce"])
-        proof = _proof(self._token, "server", self._peer_nonce, self._nonce, self.peer_rank, self.rank)
+        self._peer_checksum = self._flag(frame, info, "checksum")
+        if info.get("tls") != self.tls:
+            return self._refuse_binding(info.get("tls"))
+        proof = _proof(self._token, "server", self._transcript())
         self._move(self.state, after)
         return [
             self._msg(
@@ -176,6 +221,8 @@ class Handshake:
                 protocol=self._protocol,
                 rank=self.rank,
                 nonce=self._nonce.hex(),
+                tls=self.tls,
+                checksum=self._checksum,
                 proof=proof.hex(),
             )
         ]
@@ -190,7 +237,10 @@ class Handshake:
             )
         self.peer_rank = info["rank"]
         self._peer_nonce = self._nonce_from(info["nonce"])
-        expected = _proof(self._token, "server", self._nonce, self._peer_nonce, self.rank, self.peer_rank)
+        self._peer_checksum = self._flag(frame, info, "checksum")
+        if info.get("tls") != self.tls:
+            return self._refuse_binding(info.get("tls"))
+        expected = _proof(self._token, "server", self._transcript())
         if not hmac.compare_digest(expected.hex(), info["proof"]):
             return self._refuse(
                 "auth",
@@ -198,12 +248,12 @@ class Handshake:
                 f"{self.rank}: give every process the same token",
             )
         self._move(self.state, after)
-        proof = _proof(self._token, "client", self._nonce, self._peer_nonce, self.rank, self.peer_rank)
+        proof = _proof(self._token, "client", self._transcript())
         return [self._msg(Kind.AUTH, proof=proof.hex())]
 
     def _on_auth(self, frame: Frame, after: State) -> list:
         info = self._parse(frame, {"proof": str})
-        expected = _proof(self._token, "client", self._peer_nonce, self._nonce, self.peer_rank, self.rank)
+        expected = _proof(self._token, "client", self._transcript())
         if not hmac.compare_digest(expected.hex(), info["proof"]):
             return self._refuse(
                 "auth",
@@ -219,6 +269,44 @@ class Handshake:
         return []
 
     # -- helpers ----------------------------------------------------------------------------
+
+    def _transcript(self) -> list:
+        """What both proofs cover, in the client's order whichever end computes it."""
+        client = self.role is Role.CLIENT
+        nonce_c, nonce_s = (self._nonce, self._peer_nonce) if client else (self._peer_nonce, self._nonce)
+        rank_c, rank_s = (self.rank, self.peer_rank) if client else (self.peer_rank, self.rank)
+        sum_c, sum_s = (self._checksum, self._peer_checksum) if client else (self._peer_checksum, self._checksum)
+        return [
+            nonce_c,
+            nonce_s,
+            str(rank_c).encode(),
+            str(rank_s).encode(),
+            self.tls.encode(),
+            b"1" if sum_c else b"0",
+            b"1" if sum_s else b"0",
+        ]
+
+    def _flag(self, frame: Frame, info: dict, name: str) -> bool:
+        value = info.get(name)
+        if not isinstance(value, bool):
+            raise _Malformed(f"{frame.kind.name} field {name!r} must be true or false")
+        return value
+
+    def _refuse_binding(self, theirs) -> list:
+        if not isinstance(theirs, str):
+            raise _Malformed("field 'tls' must be a string")
+
+        def seen(fingerprint: str) -> str:
+            return f"a certificate with SHA-256 {fingerprint[:16]}..." if fingerprint else "no TLS"
+
+        listener = self.rank if self.role is Role.SERVER else self.peer_rank
+        return self._refuse(
+            "binding",
+            f"TLS channel binding mismatch between rank {self.rank} and rank {self.peer_rank} at "
+            f"{self.peer}: for rank {listener}'s listener, rank {self.rank} sees {seen(self.tls)} and "
+            f"rank {self.peer_rank} sees {seen(theirs)}, so something between them terminates TLS and "
+            "relays it (a man in the middle); refused. Check the network path between these hosts",
+        )
 
     def _move(self, before: State, after: State) -> None:
         if self.state is not before:

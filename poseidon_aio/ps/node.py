@@ -22,6 +22,7 @@ from ..cluster.manifest import Manifest
 from ..cluster.launcher import ClusterEnv, advertise_host
 from ..cluster.rendezvous import Rendezvous, StartupConfig
 from ..cluster.topology import Topology
+from ..errors import ConnectionLost, PoseidonError, StartupAborted
 from ..net import LocalLink, NetConfig, connect, listen
 from ..net.credentials import config_from_env
 from . import checkpoint
@@ -236,4 +237,25 @@ class PSNode:
         else:
             if getattr(self, "client", None) is not None:
                 self.client.fail(exc if isinstance(exc, Exception) else asyncio.CancelledError())
+            # Ranks that finished their steps wait for this one at "ps-done": tell them why it
+            # will not come, rather than leave them to time out naming nothing.
+            await self._rdzv.abort(exc, during="training")
+            told = await self._told_why(exc)
             await self.teardown()
+            if told is not None:
+                raise told from exc
+
+    async def _told_why(self, exc) -> Optional[ConnectionLost]:
+        """``exc`` with another rank's published failure added, where this rank lost a link: the
+        link may have gone because that rank failed, and a bare "broken pipe" would not say why.
+        Its own words come first: the lost link may be the fault itself (a truncated stream)."""
+        if not isinstance(exc, ConnectionLost):
+            return None
+        try:
+            await self._rdzv.check_aborted("after losing a connection")
+        except StartupAborted as root:
+            if root.rank != self._rdzv.env.rank:
+                return ConnectionLost(f"{exc}; meanwhile rank {root.rank} failed: {root.reason}")
+        except PoseidonError:
+            pass  # the store is gone too: the lost link is all there is to say
+        return None

@@ -1,4 +1,4 @@
-"""Wire format v1: frame layout and the codec (compiled when available, pure Python otherwise).
+"""Wire format v2: frame layout and the codec (compiled when available, pure Python otherwise).
 
 ``CODEC`` says which one is active: ``"cython"`` or ``"python"``. ``POSEIDON_NO_EXTENSIONS=1``
 forces the pure-Python twin. ``CODECS`` maps both names to their modules where both exist, so the
@@ -11,10 +11,13 @@ import os
 from contextlib import suppress
 
 from . import codec as _pycodec
+from .checksum import HARDWARE as CRC32C_HARDWARE
+from .checksum import payload_crc
 from .codec import byte_view
 from .layout import (
     DEFAULT_MAX_PAYLOAD,
     DTYPE_BY_NAME,
+    FLAG_PAYLOAD_CRC,
     HEADER_SIZE,
     INITIAL_PAYLOAD_BUFFER,
     ITEMSIZE,
@@ -48,8 +51,10 @@ FrameDecoder = _active.FrameDecoder
 __all__ = [
     "CODEC",
     "CODECS",
+    "CRC32C_HARDWARE",
     "DEFAULT_MAX_PAYLOAD",
     "DTYPE_BY_NAME",
+    "FLAG_PAYLOAD_CRC",
     "HEADER_SIZE",
     "INITIAL_PAYLOAD_BUFFER",
     "ITEMSIZE",
@@ -66,4 +71,5 @@ __all__ = [
     "encode_frame",
     "FrameDecoder",
     "byte_view",
+    "payload_crc",
 ]

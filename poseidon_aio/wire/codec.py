@@ -13,6 +13,10 @@ Two ways to feed the :class:`FrameDecoder`:
 
 ``next_frame()`` then returns complete :class:`Frame` objects, or ``None`` when it needs more bytes.
 
+A frame whose header carries a payload CRC32C is checked as its bytes arrive: each piece is
+folded into a running CRC right after it lands in its destination, so a large payload is not read
+a second time, and a frame whose payload does not match is never handed out (``FrameError``).
+
 A payload nobody registered a destination for lands in a buffer the decoder allocates, and that
 buffer grows with the bytes that actually arrive (doubling, up to the announced length): a peer
 that announces 1 GiB and sends 1 MiB costs the receiver about 2 MiB, not 1 GiB.
@@ -23,25 +27,27 @@ from __future__ import annotations
 import zlib
 from typing import Callable, Optional
 
-from ..errors import FrameError, LocalProtocolError
+from ..errors import FrameError, LocalProtocolError, WireVersionMismatch
 from .layout import (
     CHECKED_SIZE,
     DEFAULT_MAX_PAYLOAD,
+    FLAG_PAYLOAD_CRC,
     HEADER_SIZE,
     HEADER_STRUCT,
     INITIAL_PAYLOAD_BUFFER,
     ITEMSIZE_BY_CODE,
     KNOWN_KINDS,
     MAGIC,
-    U16_MAX,
     U32_MAX,
     U64_MAX,
+    USER_FLAGS_MAX,
     VERSION,
     DType,
     Frame,
     Header,
     Kind,
 )
+from .checksum import extend as _crc32c
 
 __all__ = ["encode_header", "decode_header", "frame_parts", "encode_frame", "byte_view", "FrameDecoder"]
 
@@ -68,13 +74,15 @@ def encode_header(
     length: int = 0,
     dtype: int = DType.BYTES,
     flags: int = 0,
+    payload_crc: Optional[int] = None,
 ) -> bytes:
-    """Encode one 40-byte frame header.
+    """Encode one 44-byte frame header.
 
     Args:
         kind: a :class:`Kind`.
         rank: sender rank (u32). key: key-value pair or layer id (u32). clock: iteration (u64).
-        length: payload bytes that follow (u64). dtype: a :class:`DType`. flags: u16 bits.
+        length: payload bytes that follow (u64). dtype: a :class:`DType`. flags: the layer
+            above's bits 0-14. payload_crc: the payload's CRC32C (u32), or ``None`` to send none.
     Returns:
         The header bytes, checksum included.
     Raises:
@@ -82,7 +90,7 @@ def encode_header(
             is not a whole number of ``dtype`` items.
 
     >>> len(encode_header(Kind.PUSH, rank=1, key=7, clock=3, length=8, dtype=DType.FLOAT32))
-    40
+    44
     """
     kind = int(kind)
     dtype = int(dtype)
@@ -94,22 +102,29 @@ def encode_header(
     length = _check_field("length", length, U64_MAX)
     if length % itemsize:
         raise LocalProtocolError(f"payload of {length} bytes is not a whole number of {DType(dtype).name} items")
+    flags = _check_field("flags", flags, USER_FLAGS_MAX)
+    if payload_crc is None:
+        payload_crc = 0
+    else:
+        payload_crc = _check_field("payload_crc", payload_crc, U32_MAX)
+        flags |= FLAG_PAYLOAD_CRC
     body = _pack(
         MAGIC,
         VERSION,
         kind,
-        _check_field("flags", flags, U16_MAX),
+        flags,
         _check_field("rank", rank, U32_MAX),
         _check_field("key", key, U32_MAX),
         _check_field("clock", clock, U64_MAX),
         length,
         dtype,
+        payload_crc,
     )
     return body + (_crc32(body) & 0xFFFFFFFF).to_bytes(4, "little")
 
 
 def decode_header(data, max_payload: int = DEFAULT_MAX_PAYLOAD) -> Header:
-    """Decode and validate the first 40 bytes of ``data``.
+    """Decode and validate the first 44 bytes of ``data``.
 
     Raises:
         FrameError: bad magic, unknown version, checksum mismatch, unknown kind or dtype, length
@@ -118,11 +133,12 @@ def decode_header(data, max_payload: int = DEFAULT_MAX_PAYLOAD) -> Header:
     """
     if len(data) < HEADER_SIZE:
         raise LocalProtocolError(f"a frame header needs {HEADER_SIZE} bytes, got {len(data)}")
-    magic, version, kind, flags, rank, key, clock, length, dtype = _unpack_from(data, 0)
+    if len(data) >= 5 and bytes(data[:4]) == MAGIC and data[4] != VERSION:
+        # Checked before the layout of this version is read: another version's header may differ.
+        raise version_mismatch(data[4])
+    magic, version, kind, flags, rank, key, clock, length, dtype, crc = _unpack_from(data, 0)
     if magic != MAGIC:
         raise FrameError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not a poseidon_aio stream")
-    if version != VERSION:
-        raise FrameError(f"unknown wire version {version} (this build speaks {VERSION})")
     checksum = int.from_bytes(data[CHECKED_SIZE:HEADER_SIZE], "little")
     expected = _crc32(data[:CHECKED_SIZE]) & 0xFFFFFFFF
     if checksum != expected:
@@ -142,7 +158,17 @@ def decode_header(data, max_payload: int = DEFAULT_MAX_PAYLOAD) -> Header:
             f"payload of {length} bytes is not a whole number of {itemsize}-byte items "
             f"(kind {kind}, rank {rank}, key {key}, clock {clock})"
         )
-    return Header(Kind(kind), rank, key, clock, length, DType(dtype), flags, version)
+    return Header(
+        Kind(kind),
+        rank,
+        key,
+        clock,
+        length,
+        DType(dtype),
+        flags & USER_FLAGS_MAX,
+        version,
+        crc if flags & FLAG_PAYLOAD_CRC else None,
+    )
 
 
 def byte_view(payload) -> memoryview:
@@ -168,15 +194,21 @@ def frame_parts(
     clock: int = 0,
     dtype: int = DType.BYTES,
     flags: int = 0,
+    checksum: bool = False,
 ) -> list:
     """Return ``[header, payload_view]`` for ``transport.writelines``: the payload is not copied.
+
+    ``checksum=True`` puts the payload's CRC32C in the header.
 
     >>> parts = frame_parts(Kind.DATA, b"abc", rank=0, key=1, clock=2)
     >>> len(parts[0]), bytes(parts[1])
     (40, b'abc')
     """
     view = byte_view(payload)
-    header = encode_header(kind, rank=rank, key=key, clock=clock, length=view.nbytes, dtype=dtype, flags=flags)
+    crc = _crc32c(view) if checksum else None
+    header = encode_header(
+        kind, rank=rank, key=key, clock=clock, length=view.nbytes, dtype=dtype, flags=flags, payload_crc=crc
+    )
     return [header, view]
 
 
@@ -197,6 +229,9 @@ class FrameDecoder:
         scratch_size: initial size of the buffer that holds headers and small frames.
         initial_payload_buffer: first size of a payload buffer the decoder allocates itself; it
             doubles as bytes arrive, up to the frame's length.
+        require_checksum: refuse frames whose header carries no payload CRC32C (a connection
+            sets it once both ends agreed to checksum). Frames that carry one are checked
+            whatever this says.
 
     After a :class:`FrameError` the decoder is dead: every later call raises the same error. So
     it is after an exception from ``allocate``, or a destination of the wrong size: the header
@@ -217,6 +252,7 @@ class FrameDecoder:
         allocate: Optional[Allocator] = None,
         scratch_size: int = 1 << 16,
         initial_payload_buffer: int = INITIAL_PAYLOAD_BUFFER,
+        require_checksum: bool = False,
     ) -> None:
         if scratch_size < HEADER_SIZE:
             raise LocalProtocolError(f"scratch_size must be at least {HEADER_SIZE}")
@@ -224,6 +260,7 @@ class FrameDecoder:
             raise LocalProtocolError("initial_payload_buffer must be at least 1 byte")
         self.max_payload = max_payload
         self.allocate = allocate
+        self.require_checksum = require_checksum
         self._initial_payload = initial_payload_buffer
         self._buf = bytearray(scratch_size)
         self._view = memoryview(self._buf)
@@ -235,6 +272,8 @@ class FrameDecoder:
         self._owned = False  # the decoder allocated _dest (it grows) rather than `allocate`
         self._filled = 0
         self._lent_dest = False
+        self._checking = False  # the frame in progress carries a payload CRC32C
+        self._crc = 0  # CRC32C of its payload bytes received so far
         self._error: Optional[BaseException] = None
 
     # -- state ------------------------------------------------------------------------------
@@ -280,6 +319,8 @@ class FrameDecoder:
             if n:
                 self._room(n)
                 self._dest[self._filled : self._filled + n] = view[:n]
+                if self._checking:
+                    self._crc = _crc32c(view[:n], self._crc)
                 self._filled += n
             offset = n
         rest = len(view) - offset
@@ -303,6 +344,8 @@ class FrameDecoder:
     def buffer_updated(self, nbytes: int) -> None:
         """Record that ``nbytes`` were written into the buffer :meth:`get_buffer` returned."""
         if self._lent_dest:
+            if self._checking and nbytes:
+                self._crc = _crc32c(self._dest[self._filled : self._filled + nbytes], self._crc)
             self._filled += nbytes
         else:
             self._end += nbytes
@@ -352,8 +395,12 @@ class FrameDecoder:
                 return None
             try:
                 header = decode_header(self._view[self._start : self._start + HEADER_SIZE], self.max_payload)
+                if header.payload_crc is None and self.require_checksum:
+                    raise missing_checksum(header)
                 self._start += HEADER_SIZE
                 self._header = header
+                self._checking = header.payload_crc is not None
+                self._crc = 0
                 self._set_destination(header)
             except Exception as exc:
                 self._error = exc
@@ -365,12 +412,17 @@ class FrameDecoder:
             n = need if need < have else have
             self._room(n)
             self._dest[self._filled : self._filled + n] = self._view[self._start : self._start + n]
+            if self._checking:
+                self._crc = _crc32c(self._view[self._start : self._start + n], self._crc)
             self._filled += n
             self._start += n
         if self._start == self._end:
             self._start = self._end = 0
         if self._filled < self._length:
             return None
+        if self._checking and self._crc != self._header.payload_crc:
+            self._error = payload_mismatch(self._header, self._crc)
+            raise self._error
         frame = Frame(self._header, self._dest)
         self._header = None
         self._dest = None
@@ -398,3 +450,31 @@ class FrameDecoder:
                 f"{view.nbytes} bytes{' (read-only)' if view.readonly else ''}"
             )
         self._dest = view
+
+
+def version_mismatch(version: int) -> WireVersionMismatch:
+    """The error for a header of another wire version (both codecs)."""
+    return WireVersionMismatch(
+        f"the peer speaks wire version {version}, this build speaks {VERSION}: "
+        "run the same poseidon_aio release on every process"
+    )
+
+
+def payload_mismatch(header: Header, computed: int) -> FrameError:
+    """The error for a payload whose CRC32C is not the one its header carries (both codecs)."""
+    return FrameError(
+        f"payload checksum mismatch in {header.kind.name} key {header.key} clock {header.clock} "
+        f"from rank {header.rank} ({header.length} bytes; CRC32C sent {header.payload_crc:#010x}, "
+        f"received {computed:#010x}): the bytes were corrupted on the way (NIC, switch, cable or "
+        "memory), the frame was dropped unused; check that path's hardware and restart from the "
+        "last checkpoint"
+    )
+
+
+def missing_checksum(header: Header) -> FrameError:
+    """The error for a frame without a payload CRC32C where one is required (both codecs)."""
+    return FrameError(
+        f"{header.kind.name} key {header.key} clock {header.clock} from rank {header.rank} carries no "
+        "payload checksum, and this connection agreed to checksum every payload: the peer's "
+        "build does not follow the wire protocol"
+    )

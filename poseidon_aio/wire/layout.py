@@ -1,19 +1,21 @@
-"""Frame layout of wire format v1: constants, kinds, dtypes and the frame event types.
+"""Frame layout of wire format v2: constants, kinds, dtypes and the frame event types.
 
-A frame is a fixed 40-byte little-endian header followed by ``length`` raw payload bytes::
+A frame is a fixed 44-byte little-endian header followed by ``length`` raw payload bytes::
 
-    offset size field     meaning
-         0    4 magic     b"PSDN"
-         4    1 version   wire version, 1
-         5    1 kind      what the frame is (:class:`Kind`)
-         6    2 flags     bits for the layer above; none is defined yet, senders write 0
-         8    4 rank      sender rank
-        12    4 key       key-value pair id or layer id
-        16    8 clock     iteration clock
-        24    8 length    payload length in bytes
-        32    1 dtype     payload element type (:class:`DType`)
-        33    3 -         reserved, zero
-        36    4 checksum  CRC-32 (IEEE, as zlib.crc32) of bytes 0..35
+    offset size field       meaning
+         0    4 magic       b"PSDN"
+         4    1 version     wire version, 2
+         5    1 kind        what the frame is (:class:`Kind`)
+         6    2 flags       bit 15: payload_crc holds the payload's CRC32C; bits 0-14 for the
+                            layer above (none defined yet, senders write 0)
+         8    4 rank        sender rank
+        12    4 key         key-value pair id or layer id
+        16    8 clock       iteration clock
+        24    8 length      payload length in bytes
+        32    1 dtype       payload element type (:class:`DType`)
+        33    3 -           reserved, zero
+        36    4 payload_crc CRC32C (Castagnoli) of the payload when flag bit 15 is set, else zero
+        40    4 checksum    CRC-32 (IEEE, as zlib.crc32) of bytes 0..39
 
 This module is shared by both codecs; it imports nothing from asyncio, socket or torch.
 """
@@ -27,12 +29,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 MAGIC = b"PSDN"
-VERSION = 1
-HEADER_SIZE = 40
-# Everything the checksum covers: the header without its last 4 bytes.
-CHECKED_SIZE = 36
-HEADER_STRUCT = struct.Struct("<4sBBHIIQQB3x")
+VERSION = 2
+HEADER_SIZE = 44
+# Everything the header checksum covers: the header without its last 4 bytes.
+CHECKED_SIZE = 40
+HEADER_STRUCT = struct.Struct("<4sBBHIIQQB3xI")
 assert HEADER_STRUCT.size == CHECKED_SIZE
+# Flag bit 15 belongs to the wire: the payload_crc field is set. The layer above has bits 0-14.
+FLAG_PAYLOAD_CRC = 1 << 15
+USER_FLAGS_MAX = FLAG_PAYLOAD_CRC - 1
 
 # 1 GiB: larger than any 2 MiB key-value chunk or sufficient-factor block by far, small enough that
 # a corrupted length cannot make a receiver allocate the machine's memory.
@@ -145,6 +150,9 @@ class Header:
     dtype: DType = DType.BYTES
     flags: int = 0
     version: int = VERSION
+    #: CRC32C of the payload as the sender computed it, or ``None`` where it sent none. A decoder
+    #: hands out no frame whose payload does not match it.
+    payload_crc: Optional[int] = None
 
 
 @dataclass(frozen=True, slots=True)

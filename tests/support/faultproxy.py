@@ -1,13 +1,14 @@
 """A fault-injecting TCP proxy for adversity tests (asyncpg keeps one; this is ours).
 
 Put it between a worker and a parameter-server shard: it forwards bytes both ways, except at the
-points a :class:`FaultPlan` names, where it delays, drops, truncates, duplicates or resets.
+points a :class:`FaultPlan` names, where it delays, drops, truncates, duplicates, resets or flips
+a bit.
 
 Two layers, as in the library:
 
 * :class:`FaultStream` is sans-IO: one direction's bytes in, :class:`Forward`, :class:`Hold` and
   :class:`Cut` actions out. It follows the frame boundaries of the original stream (the length
-  field of the 40-byte wire header), so a fault can name "the 3rd PUSH frame", whole or from a
+  field of the 44-byte wire header), so a fault can name "the 3rd PUSH frame", whole or from a
   byte inside it.
 * :class:`FaultProxy` is the asyncio adapter: a listener that dials the target for every
   connection it accepts and pumps each direction through its own :class:`FaultStream`.
@@ -53,6 +54,7 @@ class FaultKind(enum.Enum):
     TRUNCATE = "truncate"  # forward up to the point, then close both sides (FIN)
     DUPLICATE = "duplicate"  # forward `frames` whole frames or `nbytes` bytes, then the same again
     RESET = "reset"  # forward up to the point, then abort both sides with RST (SO_LINGER 0)
+    FLIP = "flip"  # invert bit `bit` of the byte at the point, as a bad NIC, switch or RAM would
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class Fault:
             in between pass untouched); needs ``skew == 0``.
         nbytes: DROP/DUPLICATE: this many bytes from the start point, whatever they belong to.
         seconds: DELAY: how long the stream is held.
+        bit: FLIP: which bit (0 least significant) of the byte at the start point is inverted.
 
     A DROP with neither ``frames`` nor ``nbytes`` is a black hole: nothing more gets through in
     that direction, not even the end of the connection (a partitioned network loses FINs too).
@@ -81,6 +84,7 @@ class Fault:
     frames: Optional[int] = None
     nbytes: Optional[int] = None
     seconds: float = 0.0
+    bit: int = 0
 
     def __post_init__(self) -> None:
         if self.frame < 0 or self.skew < 0:
@@ -96,14 +100,18 @@ class Fault:
             raise ValueError(f"{self}: a duplicate needs exactly one of frames or nbytes")
         if self.kind is FaultKind.DROP and spans > 1:
             raise ValueError(f"{self}: a drop takes frames or nbytes, not both")
-        if self.kind in (FaultKind.DELAY, FaultKind.TRUNCATE, FaultKind.RESET) and spans:
+        if self.kind in (FaultKind.DELAY, FaultKind.TRUNCATE, FaultKind.RESET, FaultKind.FLIP) and spans:
             raise ValueError(f"{self}: only drops and duplicates span bytes or frames")
+        if not 0 <= self.bit < 8:
+            raise ValueError(f"{self}: bit must be 0..7")
 
     @property
     def mangles(self) -> bool:
-        """True if it can leave a frame with other bytes than were sent: a dropped or repeated
-        byte span that does not follow frame boundaries. Wire v1 checks headers, not payloads."""
-        return self.kind in (FaultKind.DROP, FaultKind.DUPLICATE) and self.nbytes is not None
+        """True if it can leave a frame with other bytes than were sent: a flipped bit, or a
+        dropped or repeated byte span that does not follow frame boundaries."""
+        return self.kind is FaultKind.FLIP or (
+            self.kind in (FaultKind.DROP, FaultKind.DUPLICATE) and self.nbytes is not None
+        )
 
     @property
     def black_hole(self) -> bool:
@@ -117,6 +125,7 @@ class Fault:
             FaultKind.DELAY: f"delay {self.seconds} s",
             FaultKind.TRUNCATE: "truncate",
             FaultKind.RESET: "reset",
+            FaultKind.FLIP: f"flip bit {self.bit}",
         }.get(self.kind)
         if what is None:
             span = (
@@ -169,7 +178,7 @@ class FaultPlan:
         Args:
             targets: ``{Direction: (frame_kind, count, frame_bytes)}``: which frames of each
                 direction faults may land in, how many of them a run sends, and their size
-                (header included); skews stay inside those frames.
+                (header included); skews stay inside those frames, and a flip inside a payload.
             count: least and most faults in the plan.
             max_delay: longest delay, in seconds.
             kinds: the fault kinds to draw from.
@@ -183,7 +192,11 @@ class FaultPlan:
             whole = rng.random() < 0.5
             spec = dict(kind=kind, direction=direction, frame=rng.randrange(count), frame_kind=frame_kind)
             spec["skew"] = 0 if whole else rng.randrange(1, frame_bytes)
-            if kind is FaultKind.DELAY:
+            if kind is FaultKind.FLIP:
+                # In the payload; in the header where there is none (its own CRC-32 catches that).
+                spec["skew"] = rng.randrange(HEADER_SIZE if frame_bytes > HEADER_SIZE else 0, frame_bytes)
+                spec["bit"] = rng.randrange(8)
+            elif kind is FaultKind.DELAY:
                 spec["seconds"] = round(rng.uniform(0.05, max_delay), 2)
             elif kind is FaultKind.DUPLICATE or (kind is FaultKind.DROP and rng.random() < 0.75):
                 if whole:
@@ -228,6 +241,7 @@ class FaultCounters:
     frames_seen: int = 0
     held_seconds: float = 0.0
     cuts: int = 0
+    bits_flipped: int = 0
     fired: list = field(default_factory=list)
     unfired: list = field(default_factory=list)
     corrupted: Optional[tuple] = None
@@ -257,7 +271,7 @@ class FaultStream:
     """One direction of a proxied connection, sans-IO: :meth:`feed` bytes, get actions.
 
     Bytes are forwarded as soon as the decision about them is known; at a frame boundary that
-    means once the frame's 40-byte header is in (a sender writes its header and payload together,
+    means once the frame's 44-byte header is in (a sender writes its header and payload together,
     so this never waits on the sender).
 
     >>> s = FaultStream([Fault(FaultKind.DUPLICATE, Direction.UP, frame=0, frame_kind=Kind.PUSH, frames=1)])
@@ -278,6 +292,7 @@ class FaultStream:
         self._due: list = []  # heap of (start offset, plan order, fault)
         self._span: Optional[_Span] = None
         self._corrupt_next = False
+        self._flip = 0  # XOR mask for the next byte emitted
         self._cut = False
 
     @property
@@ -360,6 +375,11 @@ class FaultStream:
             if f.kind is FaultKind.DELAY:
                 out.append(Hold(f.seconds))
                 self.counters.held_seconds += f.seconds
+            elif f.kind is FaultKind.FLIP:
+                self._flip = 1 << f.bit
+                if self.counters.corrupted is None and self._tracking and self._frame is not None:
+                    if self._frame.kind in DATA_KINDS:
+                        self._mark_corrupted()
             elif f.kind in (FaultKind.TRUNCATE, FaultKind.RESET):
                 out.append(Cut(reset=f.kind is FaultKind.RESET))
                 self.counters.cuts += 1
@@ -384,6 +404,10 @@ class FaultStream:
         return n
 
     def _emit(self, piece: bytes, out: list) -> None:
+        if self._flip and piece:
+            piece = bytes([piece[0] ^ self._flip]) + piece[1:]
+            self._flip = 0
+            self.counters.bits_flipped += 1
         span = self._span
         covered = span is not None and (span.fault.frames is None or self._matches(span.fault.frame_kind))
         if covered and span.fault.kind is FaultKind.DROP:
