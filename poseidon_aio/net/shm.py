@@ -193,6 +193,8 @@ class ShmTransport(asyncio.Transport):
         self._consume_scheduled = False
         self._announce = 0  # bytes put in our ring since the last doorbell
         self._announce_scheduled = False
+        self._returning = 0  # bytes taken from the peer's ring since the last doorbell
+        self._return_scheduled = False
 
     # -- asyncio.Transport ------------------------------------------------------------------
 
@@ -353,14 +355,26 @@ class ShmTransport(asyncio.Transport):
                 buf.release()
                 self._read += k
                 self._unread -= k
-                # The space goes back before the protocol sees the bytes: what it writes in reply
-                # (a CHALLENGE, an ERROR) then follows, so a peer that closes on reading that
-                # reply never makes this doorbell fail, and with it the bytes it sent last.
-                if self._eof is None and not self._closing:
-                    self._bell.write(_BELL.pack(b"R", k))
+                self._give_back(k)
                 self._protocol.buffer_updated(k)
         if self._eof is not None and (broken or not self._unread):
             self._finish(self._eof[0])
+
+    def _give_back(self, n: int) -> None:
+        """Return ``n`` bytes of the peer's ring with one doorbell a pass of the loop. It is
+        scheduled before the protocol sees the bytes, so it goes out before the doorbell of
+        anything the protocol writes in reply (a CHALLENGE, an ERROR): a peer that closes on
+        reading that reply never makes this one fail, and with it the bytes it sent last."""
+        self._returning += n
+        if not self._return_scheduled:
+            self._return_scheduled = True
+            self._loop.call_soon(self._return_space)
+
+    def _return_space(self) -> None:
+        self._return_scheduled = False
+        if self._returning and self._eof is None and not self._closing and not self._lost:
+            self._bell.write(_BELL.pack(b"R", self._returning))
+        self._returning = 0
 
     def _bell_lost(self, exc: Optional[Exception]) -> None:
         if self._eof is None:
