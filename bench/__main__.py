@@ -18,6 +18,7 @@ BENCHES = {
     "patterns": "bench.patterns",
     "accuracy": "bench.accuracy",
     "hosts": "bench.hosts",
+    "inside": "bench.inside",
 }
 
 
