@@ -19,6 +19,7 @@ BENCHES = {
     "accuracy": "bench.accuracy",
     "hosts": "bench.hosts",
     "profile": "bench.profile",
+    "inside": "bench.inside",
 }
 
 

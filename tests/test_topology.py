@@ -8,6 +8,8 @@ real check: one ``Rendezvous`` per rank over a real ``TCPStore`` on loopback, in
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import random
 import socket
 
@@ -19,6 +21,7 @@ from hypothesis import strategies as st
 from poseidon_aio.cluster import ClusterEnv, InformationBook, Manifest, ParamSpec, Rendezvous
 from poseidon_aio.cluster.topology import Placement, Topology, tasks_per_node
 from poseidon_aio.errors import ConfigError, TopologyMismatch
+from poseidon_aio.net.unix import PREFIX
 
 from .support.cluster import free_port
 
@@ -262,6 +265,8 @@ def test_a_trainer_under_torchrun_multi_node_knows_its_hosts_and_stays_exact():
     res = run_workers(workers, train_worker, spec, seed, runs, steps, size, {}, timeout=120, env=launcher)
     for r in range(workers):
         assert res[r]["mixed"]["hosts"] == ((0, 1), (2, 3)) == res[r]["mixed"]["book_hosts"]
+    assert_links_follow_the_hosts(res, "mixed", 2)
+    assert_links_follow_the_hosts(res, "ps", 2)
     assert {"sfb", "allreduce", "ps"} <= set(res[0]["mixed"]["schemes"].values())
     reference = single_process(spec, seed, workers, steps, size)
     for label, *_ in runs:
@@ -292,6 +297,17 @@ def test_a_trainer_under_torchrun_multi_node_knows_its_hosts_and_stays_exact():
     assert 0.4 < hosts / flat < 0.6, (hosts, flat)
 
 
+def assert_links_follow_the_hosts(res: dict, label: str, local: int) -> None:
+    """Every link between two workers of one host, to a peer or to its shard, is the
+    shared-memory one (where hosts run one worker each, none is); every other link is TCP."""
+    for r, out in res.items():
+        for peer, via in out[label]["links"].items():
+            assert via == ("shm" if local > 1 and int(peer) // local == r // local else "tcp"), (r, peer, via)
+        for shard, via in out[label]["shard_links"].items():
+            want = "local" if int(shard) == r else "shm" if local > 1 and int(shard) // local == r // local else "tcp"
+            assert via == want, (r, shard, via)
+
+
 def _layout_env(hosts: int, local: int):
     def launcher(rank: int) -> dict:
         return {k: v for k, v in torchrun_env(rank, hosts, local).items() if k not in TORCHRUN}
@@ -318,6 +334,7 @@ def test_every_scheme_by_host_equals_one_process_on_other_layouts(hosts, local):
     )
     expected = tuple(tuple(range(h * local, (h + 1) * local)) for h in range(hosts))
     assert all(res[r]["mixed"]["hosts"] == expected for r in range(workers))
+    assert_links_follow_the_hosts(res, "mixed", local)
     assert run_failures(res, "mixed", spec, single_process(spec, seed, workers, steps, size), workers) == []
     assert [
         f
@@ -381,26 +398,42 @@ def test_explain_shows_the_choices_by_host_beside_flat():
         assert rows[name]["hybcomm"] == "sfb" and rows[name]["sfb_up_to_k"] == rows[name]["sfb_up_to_k_flat"]
 
 
-@pytest.mark.parametrize("scheme", ["allreduce", "sfb"])
-def test_a_local_worker_killed_ends_the_job_naming_its_host_and_local_rank(scheme):
+@pytest.mark.parametrize("scheme", ["allreduce", "sfb", "ps"])
+def test_a_local_worker_killed_ends_the_job_naming_its_host_and_local_rank(scheme, tmp_path):
     # 2 hosts x 2 workers; rank 3 (host 1, local rank 1) dies by SIGKILL before its third step.
     # Every survivor's step fails within the sync timeout with ConnectionLost, and the message
-    # names the dead rank's host and local rank: seen on its own link, or as the reason a peer
-    # that saw it gave before closing its links.
+    # names the dead rank's host and local rank: seen on its own link (the shared-memory one to
+    # its host's other worker), or as the reason a peer that saw it gave before closing its links.
+    # Nothing of the job's is left on the host: no rank ever opened or mapped a file under
+    # /dev/shm or /tmp, its Unix sockets have abstract names only (no file), and every one of
+    # those names is gone once the ranks are.
     from .support.cluster import collect_all, start_workers
     from .support.trainworkers import killed_worker
 
     def launcher(rank: int) -> dict:
         return {k: v for k, v in torchrun_env(rank, 2, 2).items() if k not in TORCHRUN}
 
-    procs, out = start_workers(4, killed_worker, 3, scheme, 6, env=launcher)
+    procs, out = start_workers(4, killed_worker, 3, scheme, 6, str(tmp_path), env=launcher)
     results, errors = collect_all(procs, out, timeout=120)
     assert set(errors) == {3} and errors[3][0] == "died", errors
     for rank in (0, 1, 2):
         kind, message, took = results[rank]
-        assert kind == "ConnectionLost", (rank, kind, message)
+        # A PS worker may hear it from a shard first: WorkerLeft, the PS's word for a lost worker.
+        assert kind in ("ConnectionLost", "WorkerLeft" if scheme == "ps" else "ConnectionLost"), (rank, kind, message)
         assert "rank 3 (host 1 'vm', local rank 1)" in message.replace(socket.gethostname(), "vm"), (rank, message)
         assert took < 30.0 and "\n" not in message, (rank, took)
+    names = []
+    for rank in range(4):
+        seen = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert seen["files"] == [] and seen["mapped"] == [], (rank, seen)
+        assert all(p.startswith("@") for p in seen["unix_paths"]), (rank, seen)
+        mine = [p for p in seen["unix_paths"] if p.startswith(f"@{PREFIX}{seen['pid']}-")]
+        assert mine, (rank, seen)  # it listened for its host's other worker
+        names += mine
+    with open("/proc/net/unix") as f:
+        left = f.read()
+    assert [n for n in names if n in left] == []
+    assert [e for e in os.listdir("/dev/shm") if "poseidon" in e] == []
 
 
 def test_the_cost_model_sends_an_embedding_s_rows_once_a_host_pair():

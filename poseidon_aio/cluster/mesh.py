@@ -1,7 +1,9 @@
 """A full mesh of authenticated connections between the workers (sufficient factor broadcasting).
 
 Every worker listens once; rank ``i`` dials every lower rank and is dialled by every higher one, so
-each pair shares exactly one connection, used in both directions.
+each pair shares exactly one connection, used in both directions. Two ranks the topology puts on
+one host connect over a Unix socket (``cluster.links``): every scheme's traffic inside a host goes
+over these connections.
 
 Start-up fails fast rather than at the deadline when it cannot succeed: when this rank's listener
 refuses a rank it is waiting for (a wrong token: the dialler hears it at once, and so do we), and
@@ -15,8 +17,9 @@ import time
 from typing import Optional
 
 from ..errors import ConnectionLost, PeerTimeout, PoseidonError, RemoteProtocolError
-from ..net import Listener, NetConfig, connect, listen
+from ..net import Listener, NetConfig, listen
 from .launcher import advertise_host
+from .links import dial, publish_listener
 from .rendezvous import Rendezvous
 
 # While waiting for higher ranks to dial in, look at the store's abort key every 0.25 s: another
@@ -44,7 +47,8 @@ class Mesh:
             process_shaper: a :class:`~poseidon_aio.net.Shaper` shared by the process's connections.
             topology: the job's hosts (:class:`~poseidon_aio.cluster.topology.Topology`): where
                 they run several workers, every connection's messages name the peer's host and
-                local rank.
+                local rank, and ranks on one host connect over a Unix socket
+                (``NetConfig.same_host_link``).
         Returns:
             The mesh, with a connection to every other rank in ``peers``.
         Raises:
@@ -60,20 +64,20 @@ class Mesh:
         """
         self = cls()
         try:
-            await self._join(rdzv, net, timeout, process_shaper)
+            await self._join(rdzv, net, timeout, process_shaper, topology)
         except BaseException as exc:
             await rdzv.abort(exc)
             await self.close()
             raise
         if topology is not None and topology.local_size > 1:
             for rank, conn in self.peers.items():
-                host = topology.host_of(rank)
-                conn.peer_host = f" ({topology.describe(host)}, local rank {topology.local_rank_of(rank)})"
+                conn.peer_host = f" ({topology.locate(rank)})"
         return self
 
-    async def _join(self, rdzv: Rendezvous, net: NetConfig, timeout: float, process_shaper) -> None:
+    async def _join(self, rdzv: Rendezvous, net: NetConfig, timeout: float, process_shaper, topology) -> None:
         env = rdzv.env
         world = env.world_size
+        hosts = topology if topology is not None and topology.local_size > 1 else None
         # Resolves when every higher rank has dialled in; fails when one of them was refused.
         joined = asyncio.get_running_loop().create_future()
 
@@ -99,22 +103,33 @@ class Mesh:
 
         host = advertise_host(env.master_addr)
         self._listener = await listen(
-            host, 0, rank=env.rank, config=net, on_connection=accept, process_shaper=process_shaper
+            host,
+            0,
+            rank=env.rank,
+            config=net,
+            on_connection=accept,
+            process_shaper=process_shaper,
+            same_host=hosts is not None,
         )
         self._listener.on_refused = refused
         try:
-            await rdzv.publish(f"addr/mesh/{env.rank}", f"{host}:{self._listener.address[1]}")
+            await publish_listener(rdzv, f"addr/mesh/{env.rank}", host, self._listener)
             for peer in range(env.rank):
                 if joined.done():
                     break  # a refusal: it is raised below
-                h, p = (await rdzv.read(f"addr/mesh/{peer}", who=f"rank {peer}")).rsplit(":", 1)
                 try:
-                    self.peers[peer] = await connect(
-                        h, int(p), rank=env.rank, config=net, process_shaper=process_shaper
+                    self.peers[peer] = await dial(
+                        rdzv,
+                        f"addr/mesh/{peer}",
+                        who=f"rank {peer}",
+                        same_host=hosts is not None and hosts.host_of(peer) == hosts.host_of(env.rank),
+                        rank=env.rank,
+                        config=net,
+                        process_shaper=process_shaper,
                     )
                 except (ConnectionLost, PeerTimeout):
                     # A peer that gave up closes its listener: its reason beats our "refused".
-                    await rdzv.check_aborted(f"dialling rank {peer}'s worker mesh at {h}:{p}")
+                    await rdzv.check_aborted(f"dialling rank {peer}'s worker mesh")
                     raise
             if len(self.peers) == world - 1 and not joined.done():
                 joined.set_result(None)

@@ -176,6 +176,10 @@ class Topology:
         name = self.names[host] if self.names else ""
         return f"host {host} {name!r}" if name else f"host {host}"
 
+    def locate(self, rank: int) -> str:
+        """``"host 1 'node-b', local rank 1"``: where ``rank`` runs, for messages."""
+        return f"{self.describe(self.host_of(rank))}, local rank {self.local_rank_of(rank)}"
+
     def to_json(self) -> list:
         return [list(h) for h in self.hosts]
 

@@ -12,6 +12,7 @@ from .listener import Listener, listen
 from .local import LocalLink
 from .loop import LOOP, new_event_loop, run
 from .shaper import Shaper, ShaperConfig, TokenBucket
+from .unix import connect_unix
 
 __all__ = [
     "LOOP",
@@ -28,6 +29,7 @@ __all__ = [
     "TLSConfig",
     "TokenBucket",
     "connect",
+    "connect_unix",
     "listen",
     "new_event_loop",
     "run",

@@ -12,6 +12,9 @@ from ..errors import ConfigError
 from ..wire import DEFAULT_MAX_PAYLOAD
 from .shaper import ShaperConfig
 
+# How workers on one host connect (NetConfig.same_host_link).
+SAME_HOST_LINKS = ("auto", "tcp")
+
 
 @dataclass
 class TLSConfig:
@@ -130,6 +133,11 @@ class NetConfig:
             so that corruption the TCP checksum misses (NICs, switches, memory) fails the step
             instead of reaching the model. A connection checksums when either end asks for it
             and neither uses TLS (TLS's own MAC covers every byte).
+        same_host_link: how two workers the job's topology puts on one host connect: ``"auto"``
+            over a Unix stream socket where the platform has abstract ones (Linux;
+            :mod:`poseidon_aio.net.unix`), else loopback TCP; ``"tcp"``: always TCP. Per
+            process: a dialler that says ``"tcp"``, or a listener that offers no Unix socket,
+            makes that pair's link TCP.
 
     >>> NetConfig(token=b"x" * 16).idle_timeout
     30.0
@@ -151,6 +159,7 @@ class NetConfig:
     bandwidth: Optional[ShaperConfig] = None
     tls: Optional[TLSConfig] = None
     payload_checksum: bool = True
+    same_host_link: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.token, str):
@@ -174,6 +183,10 @@ class NetConfig:
                 f"NetConfig.memory_budget ({self.memory_budget} bytes) must be at least "
                 f"inbox_high_water ({self.inbox_high_water} bytes): reading must pause before a "
                 "connection reaches its budget, or a slow consumer ends healthy connections"
+            )
+        if self.same_host_link not in SAME_HOST_LINKS:
+            raise ConfigError(
+                f"NetConfig.same_host_link must be one of {', '.join(SAME_HOST_LINKS)}, got {self.same_host_link!r}"
             )
         if self.max_pending_handshakes < 1:
             raise ConfigError(f"NetConfig.max_pending_handshakes must be >= 1, got {self.max_pending_handshakes}")

@@ -112,6 +112,9 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         self.config = config
         self.peer_address = "unknown address"
         self.stats = ConnectionStats()
+        #: What carries the frames, once connected: ``"tcp"``, ``"tls"``, or ``"shm"`` (shared
+        #: memory with a peer on this host, :mod:`poseidon_aio.net.shm`).
+        self.via = ""
         self._decoder = FrameDecoder(max_payload=HANDSHAKE_MAX_PAYLOAD, allocate=self._allocate_frame)
         self._handshake = Handshake(
             role, rank, config.token, protocol=protocol, checksum=config.payload_checksum and config.tls is None
@@ -143,7 +146,7 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
     # -- public API -------------------------------------------------------------------------
 
     def __repr__(self) -> str:
-        return f"<Connection rank {self.rank} <-> rank {self.peer_rank} at {self.peer_address}>"
+        return f"<Connection rank {self.rank} <-> rank {self.peer_rank} at {self.peer_address} via {self.via or '?'}>"
 
     @property
     def where(self) -> str:
@@ -275,9 +278,13 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
             return
         self._transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
-        if peer:
+        if isinstance(peer, tuple):  # a same-host peer's name is set by whoever made the link
             self.peer_address = f"{peer[0]}:{peer[1]}"
         sock = transport.get_extra_info("socket")
+        if transport.get_extra_info("shm") is not None:
+            self.via = "shm"
+        else:
+            self.via = "tls" if transport.get_extra_info("sslcontext") is not None else "tcp"
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if transport.get_extra_info("sslcontext") is None and LOWAT_OPT is not None:
@@ -302,7 +309,10 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
     def _transport_failed(self, exc: BaseException, tls: bool) -> None:
         """The loop could not bring the transport up: TLS failed or timed out, or the peer left."""
         what = "TLS handshake" if tls else "connection set-up"
-        self._fail(HandshakeError(f"{what} with {self.peer_address} failed: {exc!r}"), "none", exc)
+        if isinstance(exc, HandshakeError):  # refused in words of its own (a same-host link's rings)
+            self._fail(exc, "none")
+        else:
+            self._fail(HandshakeError(f"{what} with {self.peer_address} failed: {exc!r}"), "none", exc)
         if not self._closed.done():
             self._closed.set_result(None)  # connection_lost will not come: there was no connection
 

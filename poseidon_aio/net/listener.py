@@ -20,6 +20,10 @@ from .config import NetConfig
 from .connection import Connection
 from .handshake import PROTOCOL_VERSION, Role
 from .shaper import Shaper
+from .shm import open_link
+from .unix import bind as bind_unix
+from .unix import describe_peer, new_name
+from .unix import enabled as unix_enabled
 
 log = logging.getLogger("poseidon_aio.net")
 
@@ -61,8 +65,10 @@ class Listener:
         self.turned_away = 0
         self.max_pending_handshakes = max_pending_handshakes
         self._on_connection = on_connection
-        self._sock: Optional[socket.socket] = None
-        self._accepting: Optional[asyncio.Task] = None
+        #: The abstract name of the Unix socket it also accepts on (same-host peers), or ``None``.
+        self.unix_name: Optional[str] = None
+        self._socks: list = []
+        self._accepting: list = []
         self._tasks: set = set()
         self._handshaking: set = set()
         self._refusal_waiters: list = []
@@ -99,22 +105,34 @@ class Listener:
             self._refusal_waiters.remove(entry)
 
     def _serve(
-        self, sock: socket.socket, make_connection: Callable[[], Connection], tls, handshake_timeout: float
+        self,
+        sock: socket.socket,
+        make_connection: Callable[[], Connection],
+        tls,
+        handshake_timeout: float,
+        unix_name: Optional[str] = None,
     ) -> None:
-        self._sock = sock
-        self.address = sock.getsockname()[:2]
-        accepting = self._accept(make_connection, tls, handshake_timeout)
-        self._accepting = asyncio.get_running_loop().create_task(accepting)
-        self._accepting.add_done_callback(self._accept_ended)
+        """Accept on ``sock`` too: the TCP socket (``address``), or an abstract Unix one."""
+        self._socks.append(sock)
+        if unix_name is None:
+            self.address = sock.getsockname()[:2]
+        else:
+            self.unix_name = unix_name
+        accepting = self._accept(sock, make_connection, tls, handshake_timeout)
+        task = asyncio.get_running_loop().create_task(accepting)
+        task.add_done_callback(self._accept_ended)
+        self._accepting.append(task)
 
-    async def _accept(self, make_connection: Callable[[], Connection], tls, handshake_timeout: float) -> None:
+    async def _accept(
+        self, lsock: socket.socket, make_connection: Callable[[], Connection], tls, handshake_timeout: float
+    ) -> None:
         # The loop's own servers (create_server with ssl=) create the protocol only once TLS is
         # up: too late to start the handshake deadline, and to refuse a connection before its TLS
         # state (asyncio's is a 256 KiB buffer per socket) exists. So the listener accepts itself.
         loop = asyncio.get_running_loop()
         while True:
             try:
-                sock, addr = await loop.sock_accept(self._sock)
+                sock, addr = await loop.sock_accept(lsock)
             except (ConnectionAbortedError, InterruptedError):
                 continue  # the peer left before we took it
             except OSError as exc:  # EMFILE, ENFILE, ENOBUFS: out of descriptors or memory
@@ -135,7 +153,10 @@ class Listener:
     def _take(self, sock: socket.socket, addr: tuple, make_connection, tls, handshake_timeout: float) -> None:
         # Not inlined in _accept: its suspended frame would keep the last connection alive.
         conn = make_connection()  # the handshake deadline runs from here
-        conn.peer_address = f"{addr[0]}:{addr[1]}"
+        if sock.family == socket.AF_UNIX:
+            conn.peer_address = describe_peer(sock, self.unix_name)
+        else:
+            conn.peer_address = f"{addr[0]}:{addr[1]}"
         self._handshaking.add(conn)
         task = asyncio.get_running_loop().create_task(self._admit(conn, sock, tls, handshake_timeout))
         self._tasks.add(task)
@@ -183,9 +204,13 @@ class Listener:
         loop = asyncio.get_running_loop()
         try:
             try:
-                await loop.connect_accepted_socket(
-                    lambda: conn, sock, ssl=tls, ssl_handshake_timeout=handshake_timeout if tls else None
-                )
+                if sock.family == socket.AF_UNIX:  # a worker of this host: shared-memory rings
+                    async with asyncio.timeout(handshake_timeout):
+                        await open_link(sock, conn, first=False, peer=conn.peer_address)
+                else:
+                    await loop.connect_accepted_socket(
+                        lambda: conn, sock, ssl=tls, ssl_handshake_timeout=handshake_timeout if tls else None
+                    )
             except Exception as exc:  # noqa: BLE001 - ssl.SSLError, OSError: this connection only
                 sock.close()
                 conn._transport_failed(exc, tls is not None)
@@ -214,11 +239,11 @@ class Listener:
 
     async def close(self) -> None:
         """Stop listening, close every connection and wait for the handler tasks to finish."""
-        if self._accepting is not None:
-            self._accepting.cancel()
-            await asyncio.gather(self._accepting, return_exceptions=True)
-        if self._sock is not None:
-            self._sock.close()
+        for task in self._accepting:
+            task.cancel()
+        await asyncio.gather(*self._accepting, return_exceptions=True)
+        for sock in self._socks:
+            sock.close()
         for conn in list(self.connections):
             await conn.close()
         pending = list(self._handshaking)
@@ -245,10 +270,16 @@ async def listen(
     on_connection: Callable[[Connection], Optional[Awaitable[None]]],
     process_shaper: Optional[Shaper] = None,
     protocol: int = PROTOCOL_VERSION,
+    same_host: bool = False,
 ) -> Listener:
     """Listen on ``host:port``; call ``on_connection(conn)`` for each authenticated connection.
 
     Binds the first address ``host`` resolves to (``""``: every interface of the first family).
+    With ``same_host``, where ``config.same_host_link`` and the platform allow it
+    (:func:`~poseidon_aio.net.unix.enabled`), it also accepts peers of this host on a fresh
+    abstract Unix socket, named in ``Listener.unix_name`` (``None`` otherwise), whose connections
+    run on shared-memory rings (:mod:`poseidon_aio.net.shm`) with the same handshake and
+    handlers; TLS stays on TCP (those bytes never leave the host's memory).
 
     A handshake that fails (or does not finish within ``config.handshake_timeout`` of accept) is
     logged and recorded in ``Listener.refused``; the listener keeps serving. Beyond
@@ -278,4 +309,12 @@ async def listen(
 
     listener = Listener(rank, on_connection, config.max_pending_handshakes)
     listener._serve(sock, connection, tls, config.handshake_timeout)
+    if same_host and unix_enabled(config):
+        name = new_name(rank)
+        try:
+            unix_sock = bind_unix(name, rank)
+        except OSError:
+            await listener.close()
+            raise
+        listener._serve(unix_sock, connection, None, config.handshake_timeout, unix_name=name)
     return listener

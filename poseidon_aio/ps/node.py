@@ -22,8 +22,9 @@ from ..cluster.manifest import Manifest
 from ..cluster.launcher import ClusterEnv, advertise_host
 from ..cluster.rendezvous import Rendezvous, StartupConfig
 from ..cluster.topology import Topology
+from ..cluster.links import dial, publish_listener
 from ..errors import ConnectionLost, PoseidonError, StartupAborted
-from ..net import LocalLink, NetConfig, connect, listen
+from ..net import LocalLink, NetConfig, listen
 from ..net.credentials import config_from_env
 from . import checkpoint
 from .client import PSClient
@@ -58,13 +59,16 @@ async def agree_on_start(rdzv: Rendezvous, config: PSConfig, book: InformationBo
     return start_clock, state
 
 
-async def host_shard(rdzv, index, rank, book, config, net, start_clock, state, shaper=None):
+async def host_shard(rdzv, index, rank, book, config, net, start_clock, state, shaper=None, same_host=False):
     """Start shard ``index`` of ``book`` listening on this host; publish its address. Returns
-    ``(shard, listener)``."""
+    ``(shard, listener)``. With ``same_host`` (a shard on a worker of a host of several) it also
+    takes that host's workers on a Unix socket."""
     host = advertise_host(rdzv.env.master_addr)
     shard = KVShard(index, book, config, start_clock=start_clock, state=state or None)
-    listener = await listen(host, 0, rank=rank, config=net, on_connection=shard.attach, process_shaper=shaper)
-    await rdzv.publish(f"addr/shard/{index}", f"{host}:{listener.address[1]}")
+    listener = await listen(
+        host, 0, rank=rank, config=net, on_connection=shard.attach, process_shaper=shaper, same_host=same_host
+    )
+    await publish_listener(rdzv, f"addr/shard/{index}", host, listener)
     return shard, listener
 
 
@@ -181,6 +185,9 @@ class PSNode:
         )
         await rdzv.check_digest("information book", self.book.digest())
         index = None if config.standalone_shards or env.rank >= shards else env.rank
+        # Co-located shard s runs on rank s: on a host of several workers, its own host's reach
+        # it over a Unix socket. Standalone shards run where nobody says: TCP.
+        hosts = topology if topology.local_size > 1 and not config.standalone_shards else None
         start_clock, state = await agree_on_start(rdzv, config, self.book, index, start_clock)
         if state is False and self._given_state is not None:
             state = self._given_state
@@ -189,7 +196,7 @@ class PSNode:
         self.start_clock = start_clock
         if index is not None:
             self.shard, self._listener = await host_shard(
-                rdzv, index, env.rank, self.book, config, net, start_clock, state, self._shaper
+                rdzv, index, env.rank, self.book, config, net, start_clock, state, self._shaper, hosts is not None
             )
         conns = {}
         if self.shard is not None:  # our own shard: an in-process link, no socket
@@ -197,8 +204,18 @@ class PSNode:
             self.shard.attach(shard_end)
         for s in range(shards):
             if s not in conns:
-                h, p = (await rdzv.read(f"addr/shard/{s}", who=f"the host of shard {s}")).rsplit(":", 1)
-                conns[s] = await connect(h, int(p), rank=env.rank, config=net, process_shaper=self._shaper)
+                conns[s] = await dial(
+                    rdzv,
+                    f"addr/shard/{s}",
+                    who=f"the host of shard {s}",
+                    same_host=hosts is not None and hosts.host_of(s) == hosts.host_of(env.rank),
+                    rank=env.rank,
+                    config=net,
+                    process_shaper=self._shaper,
+                )
+        if hosts is not None:  # a lost shard's messages name its worker's host and local rank
+            for s, conn in conns.items():
+                conn.peer_host = f" ({topology.locate(s)})"
         self.client = PSClient(env.rank, self.book, config, conns, start_clock=start_clock)
         await rdzv.barrier("ps-ready")
 

@@ -142,6 +142,8 @@ class KVShard:
         if rank in self._ejected:
             conn.fail(RemoteProtocolError(self._ejected[rank]))
             return
+        if self.book.topology.local_size > 1:  # its loss then names its host and local rank
+            conn.peer_host = f" ({self.book.topology.locate(rank)})"
         self._conns[rank] = conn
         self._ever.add(rank)
         if len(self._ever) == self.workers:
@@ -164,7 +166,7 @@ class KVShard:
         if self._closed or self.config.stragglers.enabled:
             return
         self._departed[rank] = (
-            f"rank {rank} left the job: shard {self.index} lost its connection to it ({conn.error}); "
+            f"rank {rank}{conn.peer_host} left the job: shard {self.index} lost its connection to it ({conn.error}); "
             "restart the job from the last checkpoint, or enable straggler dropping to go on without it"
         )
         if any(rank not in p.have for p in self._pending.values()):

@@ -90,8 +90,36 @@ def echo_server(pipe, token: bytes, tls: bool, overrides: dict) -> None:
     run(main())
 
 
-def slow_reader(pipe, delay: float, overrides: dict) -> None:
-    """Take one frame every ``delay`` seconds; report the largest inbox it ever held."""
+def unix_echo_server(pipe, token: bytes, overrides: dict) -> None:
+    """``echo_server`` taking same-host peers on its Unix socket: reports that socket's name
+    instead of a port, and what carried each connection it served."""
+
+    async def main():
+        vias = []
+
+        async def serve(conn):
+            vias.append(conn.via)
+            while True:
+                frame = await conn.recv()
+                await conn.send(
+                    Kind.AGGREGATE, frame.payload, key=frame.key, clock=frame.clock, dtype=frame.header.dtype
+                )
+
+        listener = await listen(
+            "127.0.0.1", 0, rank=1, config=net_config(token, **overrides), on_connection=serve, same_host=True
+        )
+        pipe.send(listener.unix_name)
+        await _wait_stop(pipe, listener)
+        refused = _describe(listener.refused)
+        await listener.close()
+        pipe.send({"refused": refused, "pid": os.getpid(), "vias": vias})
+
+    run(main())
+
+
+def slow_reader(pipe, delay: float, overrides: dict, same_host: bool = False) -> None:
+    """Take one frame every ``delay`` seconds; report the largest inbox it ever held. With
+    ``same_host`` it reports its Unix socket's name, not its port."""
 
     async def main():
         done = asyncio.Event()
@@ -109,8 +137,10 @@ def slow_reader(pipe, delay: float, overrides: dict) -> None:
             await conn.send(Kind.CONTROL, b"done")
             done.set()
 
-        listener = await listen("127.0.0.1", 0, rank=1, config=net_config(**overrides), on_connection=serve)
-        pipe.send(listener.address[1])
+        listener = await listen(
+            "127.0.0.1", 0, rank=1, config=net_config(**overrides), on_connection=serve, same_host=same_host
+        )
+        pipe.send(listener.unix_name if same_host else listener.address[1])
         await done.wait()
         await _wait_stop(pipe)
         await listener.close()

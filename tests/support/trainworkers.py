@@ -198,6 +198,11 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
                     stats.append(await trainer.step((x.to(device), y.to(device))))
                 node = trainer._planning.node
                 book = node.book if node is not None else None
+                # What carries each link: "shm" inside a host of several, "tcp" across hosts.
+                links = {p: c.via for p, c in trainer._job.peers.items()}
+                shard_links = (
+                    {s: getattr(c, "via", "local") for s, c in node.client.connections.items()} if node else {}
+                )
             out[label] = {
                 "shard_bytes": book.shard_bytes() if book is not None else None,
                 "params": [p.detach().cpu().numpy().copy() for p in model.parameters()],
@@ -209,6 +214,8 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
                 "info": trainer.merge_info,
                 "hosts": trainer.topology.hosts,
                 "book_hosts": book.topology.hosts if book is not None else None,
+                "links": links,
+                "shard_links": shard_links,
             }
         await rdzv.leave()
         return out
@@ -556,10 +563,38 @@ def checkpoint_worker(rank: int, runs: list, seed: int, steps: int):
     return poseidon_aio.run(main())
 
 
-def killed_worker(rank: int, victim: int, scheme: str, steps: int):
+def traces_on_the_host() -> dict:
+    """What this process holds that could outlive it on the host: files it has open or mapped
+    under /dev/shm or /tmp (but the standard streams, which pytest may point at a file there, and
+    the harness's queue semaphore), and the paths of its Unix sockets ("@..." names are
+    abstract: no file)."""
+    import os
+
+    fds = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass  # the listing's own descriptor, closed by now
+    files = sorted({t for fd, t in fds.items() if fd > 2 and t.startswith(("/dev/shm", "/tmp"))})
+    with open("/proc/self/maps") as f:
+        paths = {line.split(maxsplit=5)[-1].strip() for line in f if " /dev/shm/" in line or " /tmp/" in line}
+    # The test harness's result queue: multiprocessing's own named semaphore.
+    mapped = sorted(p for p in paths if not p.startswith("/dev/shm/sem.mp-"))
+    inodes = {t[len("socket:[") : -1] for t in fds.values() if t.startswith("socket:[")}
+    with open("/proc/net/unix") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    sockets = sorted(row[7] for row in rows if len(row) > 7 and row[6] in inodes)
+    return {"files": files, "mapped": mapped, "unix_paths": sockets}
+
+
+def killed_worker(rank: int, victim: int, scheme: str, steps: int, record_dir=None):
     """Train a small MLP with every layer by ``scheme``; rank ``victim`` kills itself with SIGKILL
     before its step 2 (as ``kill -9`` from outside would). Returns the survivor's error type and
-    message, and the seconds from its failed step's start to the error."""
+    message, and the seconds from its failed step's start to the error. With ``record_dir``, each
+    rank writes :func:`traces_on_the_host` there as ``<rank>.json`` before its step 2 (the
+    victim too, before it dies)."""
+    import json
     import os
     import signal
     import time
@@ -580,6 +615,10 @@ def killed_worker(rank: int, victim: int, scheme: str, steps: int):
         try:  # as a script would: the error leaves the `async with`, which closes the trainer failed
             async with trainer:
                 for t in range(steps):
+                    if t == 2 and record_dir is not None:
+                        seen = {"pid": os.getpid(), **traces_on_the_host()}
+                        with open(os.path.join(record_dir, f"{rank}.json"), "w") as f:
+                            json.dump(seen, f)
                     if t == 2 and rank == victim:
                         os.kill(os.getpid(), signal.SIGKILL)
                     started = time.monotonic()

@@ -1,0 +1,88 @@
+"""A same-host peer that speaks the shared-memory link's protocol by hand (``net.shm``), blocking,
+to misbehave on it: bytes before the handshake, malformed frames, a ring it may not offer."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+
+from poseidon_aio.net import shm
+
+
+class RawRingPeer:
+    """Dials abstract name ``name`` and exchanges rings; ``sealed=False`` offers a ring file the
+    listener must refuse (it could shrink it under the listener's reads)."""
+
+    def __init__(self, name: str, sealed: bool = True) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(10)
+        self.sock.connect("\0" + name)
+        if sealed:
+            fd = shm._new_ring(shm.RING_BYTES)
+        else:
+            fd = os.memfd_create("not-sealed", os.MFD_CLOEXEC)
+            os.ftruncate(fd, shm.RING_BYTES)
+        socket.send_fds(self.sock, [shm._OFFER.pack(shm._MAGIC, shm._VERSION, shm.RING_BYTES)], [fd])
+        self.out = mmap.mmap(fd, shm.RING_BYTES)
+        os.close(fd)
+        self.ring_in = None
+        data, fds, _, _ = socket.recv_fds(self.sock, shm._OFFER.size, 1)
+        if fds:
+            self.ring_in = mmap.mmap(fds[0], shm.RING_BYTES, prot=mmap.PROT_READ)
+            os.close(fds[0])
+        self.offered = len(data) == shm._OFFER.size and len(fds) == 1
+        self._written = self._read = 0
+        self._bells = b""
+
+    def send(self, data: bytes) -> None:
+        """Put ``data`` in our ring (it must fit the room the listener gave back) and ring."""
+        pos = self._written % shm.RING_BYTES
+        first = min(len(data), shm.RING_BYTES - pos)
+        self.out[pos : pos + first] = data[:first]
+        self.out[: len(data) - first] = data[first:]
+        self._written += len(data)
+        self.sock.sendall(shm._BELL.pack(b"W", len(data)))
+
+    def ring(self, what: bytes, n: int) -> None:
+        """Send a doorbell as given, true or not."""
+        self.sock.sendall(shm._BELL.pack(what, n))
+
+    def recv(self, _n: int = 0) -> bytes:
+        """The bytes of the listener's next doorbells (b"" at EOF or reset)."""
+        out = b""
+        while not out:
+            try:
+                chunk = self.sock.recv(4096)
+            except ConnectionResetError:
+                return b""
+            if not chunk:
+                return b""
+            data = self._bells + chunk
+            whole = len(data) - len(data) % shm._BELL.size
+            self._bells = data[whole:]
+            for what, n in shm._BELL.iter_unpack(data[:whole]):
+                if what == b"W":
+                    pos = self._read % shm.RING_BYTES
+                    first = min(n, shm.RING_BYTES - pos)
+                    out += self.ring_in[pos : pos + first] + self.ring_in[: n - first]
+                    self._read += n
+        return out
+
+    def read_to_end(self) -> bytes:
+        out = b""
+        while chunk := self.recv():
+            out += chunk
+        return out
+
+    def close(self) -> None:
+        self.sock.close()
+        self.out.close()
+        if self.ring_in is not None:
+            self.ring_in.close()
+
+    def __enter__(self) -> "RawRingPeer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
