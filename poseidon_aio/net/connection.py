@@ -92,6 +92,8 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         config: :class:`NetConfig`.
         process_shaper: a :class:`Shaper` shared by all connections of the process, or ``None``.
         protocol: protocol version to announce (tests use another to check refusal).
+        same_host: the peer is a process of this host (the shared-memory link): ask for no
+            payload CRC32C, since its bytes cross no NIC, switch or cable.
 
     The handshake deadline (``config.handshake_timeout``) runs from construction, that is from
     accept on a listener, whether or not a transport ever comes up (with TLS the loop calls
@@ -106,6 +108,7 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         *,
         process_shaper: Optional[Shaper] = None,
         protocol: int = PROTOCOL_VERSION,
+        same_host: bool = False,
     ) -> None:
         self._init_endpoint(asyncio.get_running_loop(), rank, config.inbox_high_water)
         self.role = role
@@ -116,9 +119,9 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         #: memory with a peer on this host, :mod:`poseidon_aio.net.shm`).
         self.via = ""
         self._decoder = FrameDecoder(max_payload=HANDSHAKE_MAX_PAYLOAD, allocate=self._allocate_frame)
-        self._handshake = Handshake(
-            role, rank, config.token, protocol=protocol, checksum=config.payload_checksum and config.tls is None
-        )
+        # Bytes between two processes of one host cross no NIC or switch: the rings ask for no CRC.
+        asks = config.payload_checksum and config.tls is None and not same_host
+        self._handshake = Handshake(role, rank, config.token, protocol=protocol, checksum=asks)
         # Handshake frames always carry a payload CRC32C (they are tiny); from WELCOME on, frames
         # do when the two ends agreed to (Handshake.checksum).
         self._checksum = True

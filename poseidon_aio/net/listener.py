@@ -10,6 +10,7 @@ new sockets are closed as soon as they are accepted.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 from collections import deque
@@ -304,8 +305,10 @@ async def listen(
         sock.close()
         raise OSError(exc.errno, f"rank {rank} cannot listen on {host}:{port}: {exc.strerror}") from exc
 
-    def connection() -> Connection:
-        return Connection(Role.SERVER, rank, config, process_shaper=process_shaper, protocol=protocol)
+    def connection(same_host: bool = False) -> Connection:
+        return Connection(
+            Role.SERVER, rank, config, process_shaper=process_shaper, protocol=protocol, same_host=same_host
+        )
 
     listener = Listener(rank, on_connection, config.max_pending_handshakes)
     listener._serve(sock, connection, tls, config.handshake_timeout)
@@ -316,5 +319,7 @@ async def listen(
         except OSError:
             await listener.close()
             raise
-        listener._serve(unix_sock, connection, None, config.handshake_timeout, unix_name=name)
+        listener._serve(
+            unix_sock, functools.partial(connection, same_host=True), None, config.handshake_timeout, unix_name=name
+        )
     return listener

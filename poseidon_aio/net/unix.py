@@ -95,7 +95,7 @@ async def connect_unix(
     >>> # conn = await connect_unix(listener.unix_name, rank=1, config=NetConfig(token=TOKEN))
     """
     loop = asyncio.get_running_loop()
-    conn = Connection(Role.CLIENT, rank, config, process_shaper=process_shaper, protocol=protocol)
+    conn = Connection(Role.CLIENT, rank, config, process_shaper=process_shaper, protocol=protocol, same_host=True)
     conn.peer_address = f"unix socket @{name}"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.setblocking(False)
