@@ -566,9 +566,17 @@ def checkpoint_worker(rank: int, runs: list, seed: int, steps: int):
 def traces_on_the_host() -> dict:
     """What this process holds that could outlive it on the host: files it has open or mapped
     under /dev/shm or /tmp (but the standard streams, which pytest may point at a file there, and
-    the harness's queue semaphore), and the paths of its Unix sockets ("@..." names are
+    the harness's queue semaphore, and the interpreter's and the checkout's own files, which a
+    clone under /tmp maps as libraries), and the paths of its Unix sockets ("@..." names are
     abstract: no file)."""
     import os
+    import sys
+
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    installed = tuple(os.path.join(root, "") for root in {sys.prefix, sys.base_prefix, sys.exec_prefix, checkout})
+
+    def ours(path: str) -> bool:
+        return path.startswith(("/dev/shm", "/tmp")) and not path.startswith(installed)
 
     fds = {}
     for fd in os.listdir("/proc/self/fd"):
@@ -576,11 +584,11 @@ def traces_on_the_host() -> dict:
             fds[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             pass  # the listing's own descriptor, closed by now
-    files = sorted({t for fd, t in fds.items() if fd > 2 and t.startswith(("/dev/shm", "/tmp"))})
+    files = sorted({t for fd, t in fds.items() if fd > 2 and ours(t)})
     with open("/proc/self/maps") as f:
         paths = {line.split(maxsplit=5)[-1].strip() for line in f if " /dev/shm/" in line or " /tmp/" in line}
     # The test harness's result queue: multiprocessing's own named semaphore.
-    mapped = sorted(p for p in paths if not p.startswith("/dev/shm/sem.mp-"))
+    mapped = sorted(p for p in paths if ours(p) and not p.startswith("/dev/shm/sem.mp-"))
     inodes = {t[len("socket:[") : -1] for t in fds.values() if t.startswith("socket:[")}
     with open("/proc/net/unix") as f:
         rows = [line.split() for line in f.readlines()[1:]]
