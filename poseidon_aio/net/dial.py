@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Optional
+from typing import NoReturn, Optional
 
 from ..errors import ConnectionLost, PeerTimeout
 from .config import NetConfig
@@ -53,13 +53,22 @@ async def connect(
     except BaseException as exc:
         for made_conn in made:
             made_conn._discard()
-        if isinstance(exc, TimeoutError):
-            raise PeerTimeout(
-                f"rank {rank} could not connect to {host}:{port} within {config.connect_timeout} s"
-            ) from None
-        if isinstance(exc, OSError):
-            raise ConnectionLost(f"rank {rank} could not connect to {host}:{port}: {exc}") from exc
-        raise
+        raise_dial_failure(exc, rank, f"{host}:{port}", config.connect_timeout)
+    return await ready(conn)
+
+
+def raise_dial_failure(exc: BaseException, rank: int, where: str, timeout: float) -> NoReturn:
+    """Raise what a failed dial of ``where`` means to the caller: a timeout or a lost connection,
+    else ``exc`` itself (a refused handshake, a cancellation)."""
+    if isinstance(exc, TimeoutError):
+        raise PeerTimeout(f"rank {rank} could not connect to {where} within {timeout} s") from None
+    if isinstance(exc, OSError):
+        raise ConnectionLost(f"rank {rank} could not connect to {where}: {exc}") from exc
+    raise exc
+
+
+async def ready(conn: Connection) -> Connection:
+    """``conn`` once its handshake is done; aborted if the wait is cancelled."""
     try:
         return await conn.wait_ready()
     except asyncio.CancelledError:

@@ -18,9 +18,9 @@ import struct
 import sys
 from typing import Optional
 
-from ..errors import ConnectionLost, PeerTimeout
 from .config import NetConfig
 from .connection import Connection
+from .dial import raise_dial_failure, ready
 from .handshake import PROTOCOL_VERSION, Role
 from .shaper import Shaper
 from .shm import AVAILABLE as SHM_AVAILABLE
@@ -106,15 +106,5 @@ async def connect_unix(
     except BaseException as exc:
         sock.close()
         conn._discard()
-        if isinstance(exc, TimeoutError):
-            raise PeerTimeout(
-                f"rank {rank} could not set up a link to unix socket @{name} within {config.connect_timeout} s"
-            ) from None
-        if isinstance(exc, OSError):
-            raise ConnectionLost(f"rank {rank} could not connect to unix socket @{name}: {exc}") from exc
-        raise
-    try:
-        return await conn.wait_ready()
-    except asyncio.CancelledError:
-        conn.abort()
-        raise
+        raise_dial_failure(exc, rank, f"unix socket @{name}", config.connect_timeout)
+    return await ready(conn)
