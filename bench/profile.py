@@ -1,8 +1,9 @@
 """Where a rank's CPU goes: py-spy sampling a worker over its timed steps, and the table of it.
 
 ``bench train --profile DIR`` starts ``py-spy record`` on each of its ranks at the first timed step
-(attached to the worker's own pid, without pausing it) and stops it after the last; every thread
-that is on a CPU is sampled, so the samples' shares are the shares of the rank's CPU time.
+(attached to the worker's own pid) and stops it after the last. py-spy samples every thread,
+waiting or not; the samples of a thread blocked in a wait are left out (``IDLE``), so the rest's
+shares are the shares of the rank's CPU time.
 ``python -m bench profile DIR`` reads those raw stacks and prints, per run, the CPU a step and rank
 by where the innermost Python frame is and by thread (gloo's C++ threads have no Python frame:
 DDP's CPU is only in bench train's CPU column).
@@ -105,11 +106,22 @@ PLACES = [
     ("bench harness", r"bench/"),
 ]
 C_PLACES = [
-    ("event loop: epoll", r"^epoll"),
     ("socket system calls", r"^(write|writev|read|readv|send|sendmsg|sendto|recv|recvmsg|recvfrom) \(libc"),
     ("Python's garbage collector", r"^gc_collect"),
 ]
 _PYTHON = re.compile(r"\.py:\d+\)$")
+# A thread blocked in one of these is off the CPU: py-spy's --native samples it all the same (an
+# idle executor thread, a loop in epoll, a replayed layer's sleep), and /proc's CPU shared over
+# such samples would land on waits. What the wait's own system call costs stays unattributed.
+IDLE = re.compile(
+    r"^(epoll_p?wait|poll|select|pselect6?|clock_nanosleep|nanosleep|pthread_cond_(timed|clock)?wait|"
+    r"sem_(timed|clock)?wait|PyThread_acquire_lock_timed|accept4?|__futex_abstimed_wait\w*) "
+)
+
+
+def idle(frames: list) -> bool:
+    """Whether one sampled stack (outermost frame first) is a thread waiting, off the CPU."""
+    return any(IDLE.search(f) for f in frames[-4:])
 
 
 def where(frames: list) -> str:
@@ -137,13 +149,14 @@ def thread_kind(name: str) -> str:
 
 
 def read(path: str) -> collections.Counter:
-    """``Counter((thread kind, place): samples)`` of one raw py-spy file (one line a stack)."""
+    """``Counter((thread kind, place): samples)`` of one raw py-spy file (one line a stack), the
+    samples of waiting threads left out."""
     samples: collections.Counter = collections.Counter()
     with open(path) as f:
         for line in f:
             stack, _, count = line.rstrip("\n").rpartition(" ")
             frames = stack.split(";")
-            if len(frames) < 2 or not count.isdigit() or not frames[0].startswith("thread "):
+            if len(frames) < 2 or not count.isdigit() or not frames[0].startswith("thread ") or idle(frames[1:]):
                 continue
             samples[(thread_kind(frames[0].partition(": ")[2]), where(frames[1:]))] += int(count)
     return samples
