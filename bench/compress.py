@@ -35,7 +35,8 @@ says so and its speed-ups then mean nothing.
 
 The last line is one JSON object: ``min_speedup_auto_vs_ddp_100mbit`` and
 ``min_speedup_auto_vs_ddp_powersgd_100mbit`` (the worst model at 100 Mbit; goals >= 2 and
->= 1.0), the same at 1 Gbit, and every row's ratios.
+>= 1.0), the same at 1 Gbit, ``max_cpu_vs_ddp`` (the largest ratio of our CPU a step, ``auto`` or
+``exact``, to exact DDP's over the rows; median of the repeats), and every row's ratios.
 """
 
 from __future__ import annotations
@@ -260,7 +261,8 @@ def main(argv=None) -> dict:
                         print(
                             f"  {link} {model} x{args.workers} {impl}"
                             + (f" (repeat {rep + 1})" if args.repeats > 1 else "")
-                            + f": {result['step_s'] * 1e3:.1f} ms",
+                            + f": {result['step_s'] * 1e3:.1f} ms, "
+                            f"CPU {result['cpu_s'] * 1e3:.1f} ms a step (all ranks)",
                             file=sys.stderr,
                             flush=True,
                         )
@@ -279,6 +281,13 @@ def main(argv=None) -> dict:
                     if ratios:
                         row[f"auto_vs_{base}"] = statistics.median(ratios)
                         row[f"auto_vs_{base}_spread"] = (ratios[0], ratios[-1])
+            # Our CPU a step ÷ DDP's (exact, no hook), repeat by repeat.
+            for ours in ("auto", "exact"):
+                cpus = sorted(
+                    a["cpu_s"] / d["cpu_s"] for d, a in zip(runs.get("ddp", []), runs.get(ours, [])) if a and d
+                )
+                if cpus:
+                    row[f"cpu_{ours}_vs_ddp"] = (statistics.median(cpus), cpus[0], cpus[-1])
             rows.append(row)
     lines = [
         "Lossy against exact: auto compresses the layers listed (the rest exact); ddp and exact are exact; "
@@ -313,14 +322,21 @@ def main(argv=None) -> dict:
         f"summed over the {args.workers} ranks "
         f"(this host has {os.cpu_count()} cores: past {os.cpu_count()} x the step time, the CPU bounds the step)",
         "",
-        "| link | model | " + " | ".join(impls) + " |",
-        "|---|---|" + "---|" * len(impls),
+        "| link | model | " + " | ".join(impls) + " | auto ÷ ddp | exact ÷ ddp |",
+        "|---|---|" + "---|" * (len(impls) + 2),
     ]
+
+    def cpu_ratio(r, k):
+        if k not in r:
+            return "-"
+        m, lo, hi = r[k]
+        return f"{m:.2f}" + (f" ({lo:.2f}–{hi:.2f})" if args.repeats > 1 else "")
+
     for r in rows:
         lines.append(
             f"| {r['link']} | {r['model']} | "
             + " | ".join(f"{r['cpu'][i] * 1e3:.1f}" if i in r["cpu"] else "-" for i in impls)
-            + " |"
+            + f" | {cpu_ratio(r, 'cpu_auto_vs_ddp')} | {cpu_ratio(r, 'cpu_exact_vs_ddp')} |"
         )
     print("\n".join(lines))
     for n in notes:
@@ -333,8 +349,10 @@ def main(argv=None) -> dict:
         values = [r[key] for r in rows if r["link"] == link and key in r]
         return round(min(values), 2) if values else None
 
+    cpus = [r[k][0] for r in rows for k in ("cpu_auto_vs_ddp", "cpu_exact_vs_ddp") if k in r]
     out = {
         "bench": "compress",
+        "max_cpu_vs_ddp": round(max(cpus), 2) if cpus else None,
         "min_speedup_auto_vs_ddp_100mbit": worst("100mbit", "auto_vs_ddp"),
         "min_speedup_auto_vs_ddp_powersgd_100mbit": worst("100mbit", "auto_vs_ddp_powersgd"),
         "min_speedup_auto_vs_ddp_fp16_100mbit": worst("100mbit", "auto_vs_ddp_fp16"),

@@ -24,8 +24,9 @@ max(its compute (forward + backward on the compute thread), the bytes on its bus
 link's rate), the rate being the cap (none on loopback).
 
 The last line is one JSON object: ``speedup_vs_ddp_fc_1gbit`` (replayed, 4 workers, as before),
-``speedup_vs_ddp_fc_1gbit_real``, ``min_speedup_vs_ddp`` (the worst row) and
-``max_over_bound`` (poseidon's step ÷ its lower bound, the worst row).
+``speedup_vs_ddp_fc_1gbit_real``, ``min_speedup_vs_ddp`` (the worst row),
+``max_over_bound`` (poseidon's step ÷ its lower bound, the worst row) and ``max_cpu_vs_ddp`` (our
+CPU a step, every thread of every rank, ÷ DDP's: the worst row's median over the repeats).
 """
 
 from __future__ import annotations
@@ -389,6 +390,10 @@ def main(argv=None) -> dict:
                     row["speedup"] = statistics.median(ratios)
                     row["spread"] = (ratios[0], ratios[-1])
                     summary[f"speedup_vs_ddp_{tag}"] = round(row["speedup"], 2)
+                    # Our CPU a step ÷ DDP's, repeat by repeat, as for the step.
+                    cpus = sorted(p["cpu_s"] / d["cpu_s"] for d, p in zip(runs["ddp"], runs["poseidon"]))
+                    row["cpu_vs_ddp"] = (statistics.median(cpus), cpus[0], cpus[-1])
+                    summary[f"cpu_vs_ddp_{tag}"] = round(row["cpu_vs_ddp"][0], 2)
                 # Every other implementation's step ÷ the first's, repeat by repeat (the pairs ran
                 # minutes apart at most): the median and the spread.
                 row["vs_first"] = {}
@@ -407,18 +412,21 @@ def main(argv=None) -> dict:
         + " | ".join(impls)
         + " | bound | poseidon ÷ bound | speedup vs DDP | CPU a step, all ranks: "
         + " / ".join(impls)
-        + " |",
-        "|---|---|---|---|" + "---|" * (len(impls) + 4),
+        + " | CPU ÷ DDP's |",
+        "|---|---|---|---|" + "---|" * (len(impls) + 5),
     ]
     for r in rows:
         cells = " | ".join(f"{r[i] * 1e3:.1f}" for i in impls)
         bound = f"{r['bound'] * 1e3:.1f} | {r['over_bound']:.2f}" if "bound" in r else "- | -"
         cpu = " / ".join(f"{r['cpu'][i] * 1e3:.0f}" for i in impls)
         speedup = f"{r.get('speedup', float('nan')):.2f}"
+        cpu_ratio = f"{r['cpu_vs_ddp'][0]:.2f}" if "cpu_vs_ddp" in r else "-"
         if args.repeats > 1 and "spread" in r:
             speedup += f" ({r['spread'][0]:.2f}–{r['spread'][1]:.2f})"
+            cpu_ratio += f" ({r['cpu_vs_ddp'][1]:.2f}–{r['cpu_vs_ddp'][2]:.2f})"
         lines.append(
-            f"| {r['link']} | {r['compute']} | {r['model']} | {r['workers']} | {cells} | {bound} | {speedup} | {cpu} |"
+            f"| {r['link']} | {r['compute']} | {r['model']} | {r['workers']} | {cells} | {bound} | {speedup} "
+            f"| {cpu} | {cpu_ratio} |"
         )
     if len(impls) > 1:
         lines += [
@@ -462,12 +470,14 @@ def main(argv=None) -> dict:
                     )
     speedups = [r["speedup"] for r in rows if "speedup" in r]
     bounds = [r["over_bound"] for r in rows if "over_bound" in r]
+    cpus = [r["cpu_vs_ddp"][0] for r in rows if "cpu_vs_ddp" in r]
     out = {
         "bench": "train",
         "speedup_vs_ddp_fc_1gbit": summary.get("speedup_vs_ddp_fc_1gbit_replayed_4w"),
         "speedup_vs_ddp_fc_1gbit_real": summary.get("speedup_vs_ddp_fc_1gbit_real_4w"),
         "min_speedup_vs_ddp": round(min(speedups), 2) if speedups else None,
         "max_over_bound": round(max(bounds), 2) if bounds else None,
+        "max_cpu_vs_ddp": round(max(cpus), 2) if cpus else None,
         "ddp_capped": capped,
         "device_tflops": args.device_tflops,
         "compute_saved_by_factors_ms": round((saved["autograd"] - saved["factored"]) * 1e3, 1),
