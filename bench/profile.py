@@ -90,8 +90,9 @@ def thread_cpu() -> dict:
 # C frames under it (NumPy, torch, CPython's own) count where that Python frame is, except the few
 # that say where the time went by themselves (C_PLACES).
 PLACES = [
-    ("receive path (Connection)", r"net/connection\.py|wire/codec\.py|wire/__init__|net/loop\.py"),
+    ("receive path (Connection)", r"net/connection\.py|wire/codec\.py|wire/__init__"),
     ("frame dispatch (Endpoint)", r"net/endpoint\.py|net/local\.py"),
+    ("inline work's timing, loop hops (net/loop.py)", r"net/loop\.py"),
     ("send path (shaper, outbox, backpressure)", r"net/(shaper|backpressure)\.py|ps/outbox\.py"),
     ("shard aggregation (PS server)", r"ps/(server|shard|slots|sgd|node)\.py"),
     ("PS client", r"ps/(client|pulls)\.py|sync/(ps|hierarchical_ps)\.py"),
@@ -162,9 +163,9 @@ def read(path: str) -> collections.Counter:
     return samples
 
 
-def table(paths: list, steps: int) -> str:
-    """Milliseconds of CPU a step and rank, by place (rows) and thread (columns): each thread's CPU
-    as /proc counted it, shared out over places as py-spy's samples of that thread fall."""
+def cells_of(paths: list, steps: int) -> tuple:
+    """``({(thread, place): ms of CPU a step and rank}, {"read"|"write": system calls})``: each
+    thread's CPU as /proc counted it, shared out over places as py-spy's samples of that thread fall."""
     samples: collections.Counter = collections.Counter()
     spent: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
@@ -175,14 +176,23 @@ def table(paths: list, steps: int) -> str:
         calls.update(got.pop("syscalls", {}))
         spent.update(got)
     scale = 1e3 / steps / len(paths)
-    cells: collections.Counter = collections.Counter()
+    out: collections.Counter = collections.Counter()
     for thread, seconds in spent.items():
         mine = {p: n for (t, p), n in samples.items() if t == thread}
         if not mine:  # never sampled: gloo's and torch's own threads when not --native
             mine = {"C with no Python frame (uvloop, gloo, torch threads)": 1}
         for p, n in mine.items():
-            cells[(thread, p)] += seconds * n / sum(mine.values()) * scale
-    threads = [t for t, v in spent.most_common() if v * scale >= 0.05]
+            out[(thread, p)] += seconds * n / sum(mine.values()) * scale
+    return out, calls
+
+
+def table(paths: list, steps: int) -> str:
+    """Milliseconds of CPU a step and rank, by place (rows) and thread (columns)."""
+    cells, calls = cells_of(paths, steps)
+    spent = collections.Counter()
+    for (t, _), v in cells.items():
+        spent[t] += v
+    threads = [t for t, v in spent.most_common() if v >= 0.05]
     cells = {(t if t in threads else "other threads", p): v for (t, p), v in cells.items()}
     threads += ["other threads"] if any(t == "other threads" for t, _ in cells) else []
     places = sorted({p for _, p in cells}, key=lambda p: -sum(v for (_, q), v in cells.items() if q == p))
@@ -200,16 +210,48 @@ def table(paths: list, steps: int) -> str:
     return "\n".join(lines)
 
 
+def by_run(runs: dict) -> str:
+    """One table for several runs of ours: ms of CPU a step and rank by place (rows), every thread
+    together, a run a column; under it DDP's whole CPU in the same set-up where it ran."""
+    ours = {run: paths for run, paths in runs.items() if not run.startswith("ddp-")}
+    cols = {run: cells_of(paths, _steps(run))[0] for run, paths in ours.items()}
+    by_place = {run: collections.Counter() for run in cols}
+    for run, got in cols.items():
+        for (_, p), v in got.items():
+            by_place[run][p] += v
+    places = sorted({p for c in by_place.values() for p in c}, key=lambda p: -sum(c[p] for c in by_place.values()))
+    names = [re.sub(r"^[a-z]+-|-\d+steps$", "", run) for run in cols]
+    lines = ["| where | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for p in places:
+        lines.append(f"| {p} | " + " | ".join(f"{by_place[run][p]:.2f}" for run in cols) + " |")
+    lines.append("| **all** | " + " | ".join(f"**{sum(by_place[run].values()):.2f}**" for run in cols) + " |")
+    ddp = []
+    for run in cols:
+        twin = re.sub(r"^[a-z]+-", "ddp-", run)
+        ddp.append(f"{sum(cells_of(runs[twin], _steps(twin))[0].values()):.2f}" if twin in runs else "-")
+    lines.append("| DDP's, all | " + " | ".join(ddp) + " |")
+    return "\n".join(lines)
+
+
+def _steps(run: str) -> int:
+    return int(re.search(r"-(\d+)steps$", run).group(1))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench profile", description=__doc__.splitlines()[0])
     parser.add_argument("dir", help="the folder bench train --profile wrote")
+    parser.add_argument(
+        "--by-run", action="store_true", help="one table: places by our runs, every thread together, DDP's total under"
+    )
     args = parser.parse_args(argv)
     runs = collections.defaultdict(list)
     for path in sorted(glob.glob(os.path.join(args.dir, "*-rank*.txt"))):
         runs[re.sub(r"-rank\d+\.txt$", "", os.path.basename(path))].append(path)
+    if args.by_run:
+        print(f"ms of CPU a step and rank, sampled\n\n{by_run(runs)}")
+        return
     for run, paths in runs.items():
-        steps = int(re.search(r"-(\d+)steps$", run).group(1))
-        print(f"\n{run}: ms of CPU a step and rank, sampled ({len(paths)} ranks)\n{table(paths, steps)}")
+        print(f"\n{run}: ms of CPU a step and rank, sampled ({len(paths)} ranks)\n{table(paths, _steps(run))}")
 
 
 if __name__ == "__main__":
