@@ -151,6 +151,9 @@ def register(cls: type) -> type:
 
 
 def syncer_class(scheme: Scheme) -> type:
+    cls = SYNCERS.get(scheme)  # a Scheme: the hot path (several calls a layer a step); Scheme() costs more
+    if cls is not None:
+        return cls
     try:
         return SYNCERS[Scheme(scheme)]
     except (KeyError, ValueError):
