@@ -31,6 +31,7 @@ from poseidon_aio.wire import DType, FrameDecoder, Kind, encode_frame
 from .support.conditions import until
 from .support.memtransport import run_async
 from .support.rawshm import RawRingPeer
+from .support.rawpeer import raw_handshake
 from .support.procs import TOKEN, child, net_config, report, slow_reader, unix_echo_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not AVAILABLE, reason="abstract Unix sockets are Linux's")]
@@ -54,20 +55,6 @@ async def echo_listener(**overrides):
 
     listener = await listen("127.0.0.1", 0, rank=1, config=net_config(**overrides), on_connection=serve, same_host=True)
     return listener, conns
-
-
-def raw_handshake(peer, hs: Handshake) -> None:
-    """A client handshake over a blocking peer (``send``/``recv``), to misbehave after it."""
-    dec = FrameDecoder()
-    for kind, payload in hs.start():
-        peer.send(encode_frame(kind, payload, rank=hs.rank, dtype=DType.JSON))
-    while not hs.ready:
-        data = peer.recv(4096)
-        assert data, "listener closed during the handshake"
-        dec.feed(data)
-        while (frame := dec.next_frame()) is not None:
-            for kind, payload in hs.receive(frame):
-                peer.send(encode_frame(kind, payload, rank=hs.rank, dtype=DType.JSON))
 
 
 def read_to_end(sock: socket.socket) -> bytes:
@@ -176,7 +163,7 @@ async def test_a_malformed_frame_on_the_rings_ends_that_link_only():
 
         def misbehave():
             with RawRingPeer(listener.unix_name) as peer:
-                raw_handshake(peer, Handshake(Role.CLIENT, 5, TOKEN))
+                raw_handshake(peer.send, peer.recv, Handshake(Role.CLIENT, 5, TOKEN))
                 peer.send(b"GET / HTTP/1.1\r\n" + b"x" * 64)
                 return peer.read_to_end()
 
@@ -204,7 +191,7 @@ async def test_a_doorbell_beyond_the_ring_ends_the_link_naming_the_peer():
 
         def lie():
             with RawRingPeer(listener.unix_name) as peer:
-                raw_handshake(peer, Handshake(Role.CLIENT, 6, TOKEN))
+                raw_handshake(peer.send, peer.recv, Handshake(Role.CLIENT, 6, TOKEN))
                 peer.ring(b"W", RING_BYTES + 1)
                 return peer.read_to_end()
 

@@ -32,6 +32,7 @@ from poseidon_aio.net.handshake import Handshake, Role
 from poseidon_aio.wire import DType, FrameDecoder, Kind, encode_frame, encode_header
 
 from .support.conditions import until
+from .support.rawpeer import raw_handshake
 from .support.procs import TOKEN, child, connector, echo_server, net_config, report, slow_reader
 
 pytestmark = pytest.mark.slow
@@ -90,20 +91,6 @@ async def test_listener_refuses_a_client_of_another_version():
         assert received == [] and type(listener.refused[0]) is VersionMismatch
     finally:
         await listener.close()
-
-
-def _raw_handshake(sock: socket.socket, hs: Handshake) -> None:
-    """Drive a client handshake over a blocking socket (used to then misbehave)."""
-    dec = FrameDecoder()
-    for kind, payload in hs.start():
-        sock.sendall(encode_frame(kind, payload, rank=hs.rank, dtype=DType.JSON))
-    while not hs.ready:
-        data = sock.recv(4096)
-        assert data, "listener closed during the handshake"
-        dec.feed(data)
-        while (frame := dec.next_frame()) is not None:
-            for kind, payload in hs.receive(frame):
-                sock.sendall(encode_frame(kind, payload, rank=hs.rank, dtype=DType.JSON))
 
 
 async def _listener_with_log():
@@ -199,7 +186,7 @@ async def test_malformed_frame_ends_one_connection_and_the_listener_keeps_servin
 
         def misbehave():
             with socket.create_connection(listener.address, timeout=10) as sock:
-                _raw_handshake(sock, Handshake(Role.CLIENT, 5, TOKEN))
+                raw_handshake(sock.sendall, sock.recv, Handshake(Role.CLIENT, 5, TOKEN))
                 sock.sendall(b"GET / HTTP/1.1\r\n" + b"x" * 64)
                 replies = b""
                 while chunk := sock.recv(4096):
@@ -236,7 +223,7 @@ async def test_a_corrupted_payload_ends_its_connection_unused_naming_peer_key_an
 
         def corrupt():
             with socket.create_connection(listener.address, timeout=10) as sock:
-                _raw_handshake(sock, Handshake(Role.CLIENT, 5, TOKEN))
+                raw_handshake(sock.sendall, sock.recv, Handshake(Role.CLIENT, 5, TOKEN))
                 frame = bytearray(encode_frame(Kind.PUSH, bytes(range(256)), rank=5, key=3, clock=7, checksum=True))
                 frame[-100] ^= 0x10  # one bit, as a bad NIC flips it
                 sock.sendall(frame)
@@ -539,7 +526,7 @@ async def test_an_authenticated_peer_announcing_1_gib_does_not_make_us_allocate_
     sock = socket.create_connection(listener.address, timeout=30)
     tracemalloc.start()
     try:
-        await asyncio.to_thread(_raw_handshake, sock, Handshake(Role.CLIENT, 5, TOKEN))
+        await asyncio.to_thread(raw_handshake, sock.sendall, sock.recv, Handshake(Role.CLIENT, 5, TOKEN))
         await until(lambda: conns, what="the peer being admitted")
         # Its payload never completes, so the checksum the connection agreed to is never tested.
         header = encode_header(Kind.PUSH, rank=5, key=3, clock=7, length=announced, dtype=DType.FLOAT32, payload_crc=0)
