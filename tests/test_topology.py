@@ -129,6 +129,9 @@ def test_any_launcher_order_gives_every_rank_the_same_hosts(hosts, local, rnd):
         assert topo.host_of(rank) == node and topo.names[node] == f"node-{node}"
         assert rank in topo.local_peers(rank) and topo.hosts[node][topo.local_rank_of(rank)] == rank
     assert [topo.local_rank_of(topo.leader(h)) for h in range(hosts)] == [0] * hosts
+    assert topo.by_host == (local > 1)
+    for a in range(topo.world):
+        assert sorted(b for b in range(topo.world) if topo.same_host(a, b)) == sorted(set(topo.local_peers(a)) - {a})
     shuffled = dict(random.Random(0).sample(sorted(placements(hosts, local, order).items()), hosts * local))
     assert Topology.from_placements(shuffled) == topo  # the same whatever order the store answered in
 

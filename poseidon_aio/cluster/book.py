@@ -408,7 +408,7 @@ class InformationBook:
     def _canonical(self) -> str:
         # The hosts count where they are not flat: a flat job's digest (and its shard
         # checkpoints, which carry it) stays what it was before the book recorded hosts.
-        hosts = {} if self.topology.local_size == 1 else {"hosts": self.topology.to_json()}
+        hosts = {"hosts": self.topology.to_json()} if self.topology.by_host else {}
         return json.dumps(
             {
                 **hosts,
@@ -469,7 +469,7 @@ class InformationBook:
     @property
     def by_host(self) -> bool:
         """Whether a message's gradient is pushed once per host (hosts run several workers)."""
-        return self.topology.local_size > 1
+        return self.topology.by_host
 
     def speaker(self, message_id: int) -> int:
         """The local rank that pushes ``message_id`` for its host (0 where every worker is a host)."""

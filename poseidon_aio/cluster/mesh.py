@@ -69,7 +69,7 @@ class Mesh:
             await rdzv.abort(exc)
             await self.close()
             raise
-        if topology is not None and topology.local_size > 1:
+        if topology is not None and topology.by_host:
             for rank, conn in self.peers.items():
                 conn.peer_host = f" ({topology.locate(rank)})"
         return self
@@ -77,7 +77,7 @@ class Mesh:
     async def _join(self, rdzv: Rendezvous, net: NetConfig, timeout: float, process_shaper, topology) -> None:
         env = rdzv.env
         world = env.world_size
-        hosts = topology if topology is not None and topology.local_size > 1 else None
+        hosts = topology if topology is not None and topology.by_host else None
         # Resolves when every higher rank has dialled in; fails when one of them was refused.
         joined = asyncio.get_running_loop().create_future()
 
@@ -122,7 +122,7 @@ class Mesh:
                         rdzv,
                         f"addr/mesh/{peer}",
                         who=f"rank {peer}",
-                        same_host=hosts is not None and hosts.host_of(peer) == hosts.host_of(env.rank),
+                        same_host=hosts is not None and hosts.same_host(peer, env.rank),
                         rank=env.rank,
                         config=net,
                         process_shaper=process_shaper,

@@ -134,6 +134,16 @@ class Topology:
         """L, the workers a host runs."""
         return len(self.hosts[0])
 
+    @property
+    def by_host(self) -> bool:
+        """Whether the hosts run several workers each (L > 1): the schemes then go by host and a
+        host's workers talk over shared memory. With L = 1 every worker is a host of its own."""
+        return self.local_size > 1
+
+    def same_host(self, a: int, b: int) -> bool:
+        """Whether ranks ``a`` and ``b`` are two workers of one host."""
+        return a != b and self.host_of(a) == self.host_of(b)
+
     def host_of(self, rank: int) -> int:
         return self._where[rank][0]
 

@@ -187,7 +187,7 @@ class PSNode:
         index = None if config.standalone_shards or env.rank >= shards else env.rank
         # Co-located shard s runs on rank s: on a host of several workers, its own host's reach
         # it over a Unix socket. Standalone shards run where nobody says: TCP.
-        hosts = topology if topology.local_size > 1 and not config.standalone_shards else None
+        hosts = topology if topology.by_host and not config.standalone_shards else None
         start_clock, state = await agree_on_start(rdzv, config, self.book, index, start_clock)
         if state is False and self._given_state is not None:
             state = self._given_state
@@ -208,7 +208,7 @@ class PSNode:
                     rdzv,
                     f"addr/shard/{s}",
                     who=f"the host of shard {s}",
-                    same_host=hosts is not None and hosts.host_of(s) == hosts.host_of(env.rank),
+                    same_host=hosts is not None and hosts.same_host(s, env.rank),
                     rank=env.rank,
                     config=net,
                     process_shaper=self._shaper,

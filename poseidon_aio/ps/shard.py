@@ -142,7 +142,7 @@ class KVShard:
         if rank in self._ejected:
             conn.fail(RemoteProtocolError(self._ejected[rank]))
             return
-        if self.book.topology.local_size > 1:  # its loss then names its host and local rank
+        if self.book.topology.by_host:  # its loss then names its host and local rank
             conn.peer_host = f" ({self.book.topology.locate(rank)})"
         self._conns[rank] = conn
         self._ever.add(rank)

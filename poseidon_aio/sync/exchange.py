@@ -99,7 +99,7 @@ class MeshExchange:
         self.rank = rank
         self.world = world
         self._peers = dict(peers)
-        self._topology = topology if topology is not None and topology.local_size > 1 else None
+        self._topology = topology if topology is not None and topology.by_host else None
         self._across: Optional["MeshExchange"] = None  # the hosts' exchange, local rank j of each
         self._timeout = timeout
         self._chunk_bytes = chunk_bytes

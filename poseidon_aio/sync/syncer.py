@@ -85,7 +85,7 @@ class SyncContext:
     def by_host(self):
         """``topology`` where its hosts run several workers each (the schemes by host), else ``None``."""
         topology = self.topology
-        return topology if topology is not None and topology.local_size > 1 else None
+        return topology if topology is not None and topology.by_host else None
 
 
 class Syncer(abc.ABC):

@@ -84,7 +84,7 @@ class Planning:
         """The job's topology where its hosts run several workers and the trainer goes by host
         (``Trainer(hosts="launcher")``); else ``None``: every worker a peer of its own."""
         topo = self.job.topology
-        return topo if self.settings.hosts == "launcher" and topo.local_size > 1 else None
+        return topo if self.settings.hosts == "launcher" and topo.by_host else None
 
     async def agreed_hosts(self) -> Optional[Hosts]:
         """The cost model's :class:`Hosts` (rank 0's host's inside link), or ``None`` where flat."""
