@@ -205,27 +205,11 @@ def encode_frame(kind, payload=b"", **fields):
 
 
 cdef class FrameDecoder:
-    """Incremental frame decoder (see the pure-Python twin for the contract)."""
+    """Incremental frame decoder (see the pure-Python twin for the contract).
 
-    cdef public object max_payload
-    cdef public object allocate
-    cdef public bint require_checksum
-    cdef Py_ssize_t _initial_payload
-    cdef bytearray _buf
-    cdef memoryview _view
-    cdef Py_ssize_t _start
-    cdef Py_ssize_t _end
-    cdef object _header
-    cdef object _dest            # memoryview handed out in frames
-    cdef uint8_t[::1] _destmv    # the same memory, typed, for memcpy
-    cdef Py_ssize_t _destcap     # its size: the payload length, or less while the decoder owns it
-    cdef Py_ssize_t _length      # the payload's announced length
-    cdef bint _owned             # the decoder allocated _dest (it grows) rather than `allocate`
-    cdef Py_ssize_t _filled
-    cdef bint _lent_dest
-    cdef bint _checking          # the frame in progress carries a payload CRC32C
-    cdef object _crc             # CRC32C of its payload bytes received so far
-    cdef object _error
+    Its fields are declared in ``poseidon_aio/wire/_ccodec.pxd``, so that the compiled receive
+    core (``_ext/receive.pyx``) drives it and overrides ``_destination_for`` with C calls.
+    """
 
     def __init__(
         self, *, max_payload=DEFAULT_MAX_PAYLOAD, allocate=None, scratch_size=1 << 16,
@@ -298,7 +282,7 @@ cdef class FrameDecoder:
             memcpy(<uint8_t*>PyByteArray_AS_STRING(self._buf) + self._end, &src[offset], rest)
             self._end += rest
 
-    def get_buffer(self, Py_ssize_t sizehint=-1):
+    cpdef get_buffer(self, Py_ssize_t sizehint=-1):
         if self._error is not None:
             raise self._error
         if self._dest is not None and self._start == self._end and self._filled < self._length:
@@ -309,7 +293,7 @@ cdef class FrameDecoder:
         self._reserve(sizehint if sizehint > 1 else 1)
         return self._view[self._end:]
 
-    def buffer_updated(self, Py_ssize_t nbytes):
+    cpdef buffer_updated(self, Py_ssize_t nbytes):
         if self._lent_dest:
             if self._checking and nbytes:
                 self._crc = _crc32c_extend(self._dest[self._filled:self._filled + nbytes], self._crc)
@@ -360,7 +344,7 @@ cdef class FrameDecoder:
             size = self._length
         self._own(size)
 
-    def next_frame(self):
+    cpdef next_frame(self):
         if self._error is not None:
             raise self._error
         cdef uint8_t* base
@@ -422,8 +406,7 @@ cdef class FrameDecoder:
             self._destmv = None
             self._destcap = 0
             return
-        if self.allocate is not None:
-            dest = self.allocate(header)
+        dest = self._destination_for(header)
         if dest is None:
             self._destmv = None
             self._own(length if length < self._initial_payload else self._initial_payload)
@@ -439,3 +422,9 @@ cdef class FrameDecoder:
         self._dest = view
         self._destmv = view
         self._destcap = length
+
+    cdef object _destination_for(self, header):
+        # The compiled receive core overrides this: a C call instead of a Python one per header.
+        if self.allocate is None:
+            return None
+        return self.allocate(header)
