@@ -38,9 +38,12 @@ LINK_KINDS = frozenset({Kind.HELLO, Kind.CHALLENGE, Kind.AUTH, Kind.WELCOME, Kin
 class ReceiveCore:
     """Pure-Python receive core (see the module's docstring for what a subclass provides)."""
 
-    def _init_receive(self, *, max_payload: int, memory_budget: int) -> None:
-        """Set up the receive state; ``max_payload`` holds until the handshake raises it."""
-        self._decoder = FrameDecoder(max_payload=max_payload, allocate=self._destination)
+    def _init_receive(self, *, max_payload: int, memory_budget: int, decoder=FrameDecoder) -> None:
+        """Set up the receive state; ``max_payload`` holds until the handshake raises it.
+
+        ``decoder``: the active codec's ``FrameDecoder`` class, or the other's (tests run both).
+        """
+        self._decoder = decoder(max_payload=max_payload, allocate=self._destination)
         self._memory_budget = memory_budget
         self._handshaken = False
         self._bytes_received = 0
