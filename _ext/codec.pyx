@@ -11,6 +11,7 @@ each piece as it lands, as in the twin. Imports nothing from asyncio, socket or 
 
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
+from cpython.object cimport PyObject_GenericSetAttr
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memmove
 
@@ -44,6 +45,32 @@ cdef void _init_crc_table() noexcept:
         _CRC_TABLE[n] = c
 
 _init_crc_table()
+
+# Header and Frame are frozen slotted dataclasses whose __init__ runs as Python code (3 us a
+# header): a frame built here gets its slots filled from C, as that __init__ fills them.
+cdef object _new_instance = object.__new__
+
+
+cdef inline object _header(kind, rank, key, clock, length, dtype, flags, version, payload_crc):
+    header = _new_instance(Header)
+    PyObject_GenericSetAttr(header, "kind", kind)
+    PyObject_GenericSetAttr(header, "rank", rank)
+    PyObject_GenericSetAttr(header, "key", key)
+    PyObject_GenericSetAttr(header, "clock", clock)
+    PyObject_GenericSetAttr(header, "length", length)
+    PyObject_GenericSetAttr(header, "dtype", dtype)
+    PyObject_GenericSetAttr(header, "flags", flags)
+    PyObject_GenericSetAttr(header, "version", version)
+    PyObject_GenericSetAttr(header, "payload_crc", payload_crc)
+    return header
+
+
+cdef inline object _frame(header, payload):
+    frame = _new_instance(Frame)
+    PyObject_GenericSetAttr(frame, "header", header)
+    PyObject_GenericSetAttr(frame, "payload", payload)
+    return frame
+
 
 cdef dict _KINDS = {int(k): k for k in Kind}
 cdef dict _DTYPES = {int(d): d for d in DType}
@@ -164,7 +191,7 @@ cdef object _decode(const uint8_t* p, uint64_t max_payload):
         )
     flags = <unsigned int>_rd(p + 6, 2)
     crc_obj = <uint32_t>_rd(p + 36, 4) if flags & FLAG_PAYLOAD_CRC else None
-    return Header(kind_obj, rank, key, clock, length, _DTYPES[dtype], flags & USER_FLAGS_MAX, version, crc_obj)
+    return _header(kind_obj, rank, key, clock, length, _DTYPES[dtype], flags & USER_FLAGS_MAX, version, crc_obj)
 
 
 def decode_header(data, max_payload=DEFAULT_MAX_PAYLOAD):
@@ -385,7 +412,7 @@ cdef class FrameDecoder:
         if self._checking and self._crc != self._header.payload_crc:
             self._error = payload_mismatch(self._header, self._crc)
             raise self._error
-        frame = Frame(self._header, self._dest)
+        frame = _frame(self._header, self._dest)
         self._header = None
         self._dest = None
         self._destmv = None

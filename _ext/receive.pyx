@@ -35,8 +35,9 @@ cdef inline double _monotonic() noexcept nogil:
 cdef class ReceiveCore:
     """Compiled receive core (see the pure-Python twin for the contract).
 
-    The fields the receive path reads per frame are C fields here, Endpoint's included (its
-    methods reach them as attributes), so a subclass shares one copy with the twin's code.
+    The fields the receive path reads per frame are C fields here, Endpoint's expectations,
+    handler and inbox size included; Endpoint's Python methods reach the same fields as
+    attributes.
     """
 
     cdef public object _exc

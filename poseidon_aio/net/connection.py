@@ -493,6 +493,7 @@ class Connection(ReceiveCore, asyncio.BufferedProtocol, Endpoint):
         if self._exc is not None:
             return
         now = self._loop.time()
+        # _last_recv is on time.monotonic()'s clock: the receive core stamps it without the loop.
         if self._read_pauses:
             self._last_recv = time.monotonic()  # we chose not to read; silence is ours, not the peer's
         if time.monotonic() - self._last_recv > self.config.idle_timeout:
