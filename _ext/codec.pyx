@@ -46,8 +46,8 @@ cdef void _init_crc_table() noexcept:
 
 _init_crc_table()
 
-# Header and Frame are frozen slotted dataclasses whose __init__ runs as Python code (3 us a
-# header): a frame built here gets its slots filled from C, as that __init__ fills them.
+# Header and Frame are frozen slotted dataclasses whose __init__ runs as Python code, once per
+# frame: a frame decoded here gets its slots filled from C instead, as that __init__ fills them.
 cdef object _new_instance = object.__new__
 
 
