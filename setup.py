@@ -1,7 +1,8 @@
-"""Builds the Cython codec from _ext/ when a compiler is there; the pure-Python twin otherwise.
+"""Builds the Cython codec and receive core from _ext/ when a compiler is there; the pure-Python twin otherwise.
 
 POSEIDON_NO_EXTENSIONS=1 skips the build. A failed build (no compiler, no Python headers) is
-reported and the install goes on: poseidon_aio.wire.CODEC then says "python".
+reported and the install goes on: poseidon_aio.wire.CODEC (poseidon_aio.net.core.RECEIVE_CORE)
+then says "python".
 """
 
 import os
@@ -35,7 +36,11 @@ def extensions():
         return []
     try:
         return cythonize(
-            [Extension("poseidon_aio.wire._ccodec", ["_ext/codec.pyx"], extra_compile_args=["-O3"])],
+            [
+                Extension("poseidon_aio.wire._ccodec", ["_ext/codec.pyx"], extra_compile_args=["-O3"]),
+                # The connection's receive core; it cimports the codec (poseidon_aio/wire/_ccodec.pxd).
+                Extension("poseidon_aio.net._creceive", ["_ext/receive.pyx"], extra_compile_args=["-O3"]),
+            ],
             compiler_directives={"language_level": "3"},
             quiet=True,
         )

@@ -11,6 +11,7 @@ each piece as it lands, as in the twin. Imports nothing from asyncio, socket or 
 
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
+from cpython.object cimport PyObject_GenericSetAttr
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memmove
 
@@ -44,6 +45,32 @@ cdef void _init_crc_table() noexcept:
         _CRC_TABLE[n] = c
 
 _init_crc_table()
+
+# Header and Frame are frozen slotted dataclasses whose __init__ runs as Python code, once per
+# frame: a frame decoded here gets its slots filled from C instead, as that __init__ fills them.
+cdef object _new_instance = object.__new__
+
+
+cdef inline object _header(kind, rank, key, clock, length, dtype, flags, version, payload_crc):
+    header = _new_instance(Header)
+    PyObject_GenericSetAttr(header, "kind", kind)
+    PyObject_GenericSetAttr(header, "rank", rank)
+    PyObject_GenericSetAttr(header, "key", key)
+    PyObject_GenericSetAttr(header, "clock", clock)
+    PyObject_GenericSetAttr(header, "length", length)
+    PyObject_GenericSetAttr(header, "dtype", dtype)
+    PyObject_GenericSetAttr(header, "flags", flags)
+    PyObject_GenericSetAttr(header, "version", version)
+    PyObject_GenericSetAttr(header, "payload_crc", payload_crc)
+    return header
+
+
+cdef inline object _frame(header, payload):
+    frame = _new_instance(Frame)
+    PyObject_GenericSetAttr(frame, "header", header)
+    PyObject_GenericSetAttr(frame, "payload", payload)
+    return frame
+
 
 cdef dict _KINDS = {int(k): k for k in Kind}
 cdef dict _DTYPES = {int(d): d for d in DType}
@@ -164,7 +191,7 @@ cdef object _decode(const uint8_t* p, uint64_t max_payload):
         )
     flags = <unsigned int>_rd(p + 6, 2)
     crc_obj = <uint32_t>_rd(p + 36, 4) if flags & FLAG_PAYLOAD_CRC else None
-    return Header(kind_obj, rank, key, clock, length, _DTYPES[dtype], flags & USER_FLAGS_MAX, version, crc_obj)
+    return _header(kind_obj, rank, key, clock, length, _DTYPES[dtype], flags & USER_FLAGS_MAX, version, crc_obj)
 
 
 def decode_header(data, max_payload=DEFAULT_MAX_PAYLOAD):
@@ -205,27 +232,11 @@ def encode_frame(kind, payload=b"", **fields):
 
 
 cdef class FrameDecoder:
-    """Incremental frame decoder (see the pure-Python twin for the contract)."""
+    """Incremental frame decoder (see the pure-Python twin for the contract).
 
-    cdef public object max_payload
-    cdef public object allocate
-    cdef public bint require_checksum
-    cdef Py_ssize_t _initial_payload
-    cdef bytearray _buf
-    cdef memoryview _view
-    cdef Py_ssize_t _start
-    cdef Py_ssize_t _end
-    cdef object _header
-    cdef object _dest            # memoryview handed out in frames
-    cdef uint8_t[::1] _destmv    # the same memory, typed, for memcpy
-    cdef Py_ssize_t _destcap     # its size: the payload length, or less while the decoder owns it
-    cdef Py_ssize_t _length      # the payload's announced length
-    cdef bint _owned             # the decoder allocated _dest (it grows) rather than `allocate`
-    cdef Py_ssize_t _filled
-    cdef bint _lent_dest
-    cdef bint _checking          # the frame in progress carries a payload CRC32C
-    cdef object _crc             # CRC32C of its payload bytes received so far
-    cdef object _error
+    Its fields are declared in ``poseidon_aio/wire/_ccodec.pxd``, so that the compiled receive
+    core (``_ext/receive.pyx``) drives it and overrides ``_destination_for`` with C calls.
+    """
 
     def __init__(
         self, *, max_payload=DEFAULT_MAX_PAYLOAD, allocate=None, scratch_size=1 << 16,
@@ -298,7 +309,7 @@ cdef class FrameDecoder:
             memcpy(<uint8_t*>PyByteArray_AS_STRING(self._buf) + self._end, &src[offset], rest)
             self._end += rest
 
-    def get_buffer(self, Py_ssize_t sizehint=-1):
+    cpdef get_buffer(self, Py_ssize_t sizehint=-1):
         if self._error is not None:
             raise self._error
         if self._dest is not None and self._start == self._end and self._filled < self._length:
@@ -309,7 +320,7 @@ cdef class FrameDecoder:
         self._reserve(sizehint if sizehint > 1 else 1)
         return self._view[self._end:]
 
-    def buffer_updated(self, Py_ssize_t nbytes):
+    cpdef buffer_updated(self, Py_ssize_t nbytes):
         if self._lent_dest:
             if self._checking and nbytes:
                 self._crc = _crc32c_extend(self._dest[self._filled:self._filled + nbytes], self._crc)
@@ -360,7 +371,7 @@ cdef class FrameDecoder:
             size = self._length
         self._own(size)
 
-    def next_frame(self):
+    cpdef next_frame(self):
         if self._error is not None:
             raise self._error
         cdef uint8_t* base
@@ -401,7 +412,7 @@ cdef class FrameDecoder:
         if self._checking and self._crc != self._header.payload_crc:
             self._error = payload_mismatch(self._header, self._crc)
             raise self._error
-        frame = Frame(self._header, self._dest)
+        frame = _frame(self._header, self._dest)
         self._header = None
         self._dest = None
         self._destmv = None
@@ -422,8 +433,7 @@ cdef class FrameDecoder:
             self._destmv = None
             self._destcap = 0
             return
-        if self.allocate is not None:
-            dest = self.allocate(header)
+        dest = self._destination_for(header)
         if dest is None:
             self._destmv = None
             self._own(length if length < self._initial_payload else self._initial_payload)
@@ -439,3 +449,9 @@ cdef class FrameDecoder:
         self._dest = view
         self._destmv = view
         self._destcap = length
+
+    cdef object _destination_for(self, header):
+        # The compiled receive core overrides this: a C call instead of a Python one per header.
+        if self.allocate is None:
+            return None
+        return self.allocate(header)

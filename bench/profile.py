@@ -90,7 +90,7 @@ def thread_cpu() -> dict:
 # C frames under it (NumPy, torch, CPython's own) count where that Python frame is, except the few
 # that say where the time went by themselves (C_PLACES).
 PLACES = [
-    ("receive path (Connection)", r"net/connection\.py|wire/codec\.py|wire/__init__"),
+    ("receive path (Connection)", r"net/(connection|receive|core)\.py|wire/codec\.py|wire/__init__"),
     ("frame dispatch (Endpoint)", r"net/endpoint\.py|net/local\.py"),
     ("inline work's timing, loop hops (net/loop.py)", r"net/loop\.py"),
     ("send path (shaper, outbox, backpressure)", r"net/(shaper|backpressure)\.py|ps/outbox\.py"),
@@ -111,6 +111,9 @@ C_PLACES = [
     ("Python's garbage collector", r"^gc_collect"),
 ]
 _PYTHON = re.compile(r"\.py:\d+\)$")
+# The compiled receive core runs under the loop's C with no Python frame of its own: its native
+# frames (and the compiled decoder's under them) are the receive path, up to a Python callback.
+_COMPILED_RECEIVE = re.compile(r"_creceive|receive\.pyx")
 # A thread blocked in one of these is off the CPU: py-spy's --native samples it all the same (an
 # idle executor thread, a loop in epoll, a replayed layer's sleep), and /proc's CPU shared over
 # such samples would land on waits. What the wait's own system call costs stays unattributed.
@@ -131,6 +134,8 @@ def where(frames: list) -> str:
         if any(re.search(pattern, f) for f in frames[-4:]):
             return what
     for frame in reversed(frames):
+        if _COMPILED_RECEIVE.search(frame):
+            return "receive path (Connection)"
         if _PYTHON.search(frame) and not frame.startswith("Thread."):
             return place(frame)
     return "C with no Python frame (uvloop, gloo, torch threads)"

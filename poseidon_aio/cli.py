@@ -20,18 +20,25 @@ def _info(args: argparse.Namespace) -> int:
 
     from . import __version__
     from .net import LOOP
+    from .net.core import RECEIVE_CORE, RECEIVE_CORES
     from .wire import CODEC, CODECS, CRC32C_HARDWARE
 
     print(f"poseidon_aio {__version__}: codec {CODEC} (built: {', '.join(sorted(CODECS))}), loop {LOOP}")
+    print(f"receive core: {RECEIVE_CORE} (built: {', '.join(sorted(RECEIVE_CORES))})")
     print(f"payload CRC32C: {'CPU instructions' if CRC32C_HARDWARE else 'software (no SSE4.2 or ARMv8 CRC: slow)'}")
     versions = {"python": platform.python_version()}
     for name in ("torch", "numpy", "uvloop", "crc32c", "cupy"):
         versions[name] = _version_of(name)
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     print("interfaces: " + (", ".join(f"{name} {addr}" for name, addr in _interfaces()) or "none found"))
-    if args.require_extension and "cython" not in CODECS:
-        print("the compiled codec is not built: is a C compiler installed?", file=sys.stderr)
-        return 1
+    if args.require_extension:
+        missing = [
+            what for what, built in (("codec", CODECS), ("receive core", RECEIVE_CORES)) if "cython" not in built
+        ]
+        if missing:
+            verb = "is" if len(missing) == 1 else "are"
+            print(f"the compiled {' and '.join(missing)} {verb} not built: is a C compiler installed?", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -502,7 +509,9 @@ def main(argv=None) -> int:
     parser.add_argument("--version", action="version", version=f"poseidon-aio {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="versions, the codec and event loop in use, network interfaces")
-    info.add_argument("--require-extension", action="store_true", help="fail if the Cython codec is not built")
+    info.add_argument(
+        "--require-extension", action="store_true", help="fail if the Cython codec or receive core is not built"
+    )
     info.set_defaults(func=_info)
     shard = sub.add_parser("shard", help="run one parameter-server shard in this process")
     shard.add_argument("--index", type=int, required=True, help="which shard (0 .. shards-1)")

@@ -65,6 +65,7 @@ def codec(request):
 
 def pytest_report_header(config):
     from poseidon_aio.net import LOOP
+    from poseidon_aio.net.core import RECEIVE_CORE
     from poseidon_aio.wire import CODEC
 
-    return f"poseidon_aio: codec {CODEC}, default loop {LOOP}"
+    return f"poseidon_aio: codec {CODEC}, receive core {RECEIVE_CORE}, default loop {LOOP}"

@@ -51,6 +51,23 @@ def test_places_and_threads_from_raw_stacks(tmp_path):
     assert rows["**all**"].split(" | ")[-2].strip() == "14.00"
 
 
+def test_the_compiled_receive_core_is_the_receive_path_up_to_a_python_callback():
+    loop = ["Thread.run (threading.py:982)", "run_forever (uvloop/loop.so)"]
+    core = "__pyx_pw_ReceiveCore_buffer_updated (poseidon_aio/net/_creceive.cpython-311-x86_64-linux-gnu.so)"
+    decoder = "__pyx_f_FrameDecoder_next_frame (poseidon_aio/wire/_ccodec.cpython-311-x86_64-linux-gnu.so)"
+    assert profile.where([*loop, core, decoder, "_PyObject_Malloc (libpython3.11.so.1.0)"]) == (
+        "receive path (Connection)"
+    )
+    assert profile.where([*loop, core, "KVShard._on_frame (poseidon_aio/ps/shard.py:248)"]) == (
+        "shard aggregation (PS server)"
+    )
+    twin = "ReceiveCore.buffer_updated (poseidon_aio/net/receive.py:70)"
+    assert profile.where([*loop, twin, "Endpoint._to_inbox (poseidon_aio/net/endpoint.py:280)"]) == (
+        "frame dispatch (Endpoint)"
+    )
+    assert profile.where([*loop, twin]) == "receive path (Connection)"
+
+
 def test_thread_cpu_names_this_thread():
     mine = threading.get_native_id()
     got = profile.thread_cpu()

@@ -4,10 +4,13 @@ Layering follows asyncpg: the sans-IO codec (``wire``) and the sans-IO handshake
 (``net.handshake``) do all parsing; :class:`Connection` is the ``asyncio.BufferedProtocol``
 adapter that moves bytes between them and the transport.
 
-Receive path: ``get_buffer`` hands the kernel the decoder's buffer, which, while a payload with a
-registered destination is being read, is the unfilled tail of that destination (a slice of a
-receive tensor): payload bytes are written once. Frames then go, in this order, to the future
-registered with :meth:`Connection.expect` for their ``(kind, key, clock)``, to the handler set with
+Receive path: the connection's receive core (:mod:`poseidon_aio.net.core`: compiled in
+``_ext/receive.pyx``, or its pure-Python twin :mod:`poseidon_aio.net.receive`) implements
+``get_buffer`` and ``buffer_updated``. ``get_buffer`` hands the kernel the decoder's buffer,
+which, while a payload with a registered destination is being read, is the unfilled tail of that
+destination (a slice of a receive tensor): payload bytes are written once. Frames then go, in
+this order, to the future registered with :meth:`Connection.expect` for their
+``(kind, key, clock)``, to the handler set with
 :meth:`Connection.set_handler`, or to an inbox read with :meth:`Connection.recv`.
 
 Payload integrity: unless TLS is on (its MAC covers every byte), both ends put a CRC32C of each
@@ -38,49 +41,64 @@ import json
 import logging
 import socket
 import sys
-from dataclasses import dataclass
+import time
 from typing import Optional
 
 from ..errors import (
     ConnectionLost,
-    FrameError,
     HandshakeError,
     LocalProtocolError,
     PeerTimeout,
-    PoseidonError,
     RemoteProtocolError,
 )
-from ..wire import DType, Frame, FrameDecoder, Header, Kind, encode_frame, encode_header, payload_crc
+from ..wire import DType, Frame, Kind, encode_frame, encode_header, payload_crc
 from .backpressure import WriteTurns
 from .config import NetConfig
+from .core import ReceiveCore
 from .endpoint import Endpoint, payload_views, silence
 from .handshake import HANDSHAKE_MAX_PAYLOAD, PROTOCOL_VERSION, Handshake, Role
 from .loop import is_uvloop
 from .shaper import Shaper
-from .sockopts import LOWAT_MAX, LOWAT_MIN, LOWAT_OPT, option_socket
+from .sockopts import LOWAT_OPT, option_socket
 
 log = logging.getLogger("poseidon_aio.net")
 
-_HANDSHAKE_KINDS = frozenset({Kind.HELLO, Kind.CHALLENGE, Kind.AUTH, Kind.WELCOME})
 # Below this a payload is joined to its header: one 44-byte write per frame costs more than a copy.
 _JOIN_BELOW = 16 * 1024
 # asyncio's own transports before 3.12 implement writelines as write(b"".join(...)): a full copy.
 _WRITELINES_COPIES = sys.version_info < (3, 12)
-# Where bytes still arriving on a link that has ended are read to and dropped: never buffered.
-_SINK_SIZE = 64 * 1024
 
 
-@dataclass
 class ConnectionStats:
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    frames_sent: int = 0
-    frames_received: int = 0
-    write_pauses: int = 0
-    max_write_buffer: int = 0
+    """What a connection has moved. The receive counters are its receive core's (C integers
+    in the compiled one), read here when asked."""
+
+    __slots__ = ("_core", "bytes_sent", "frames_sent", "write_pauses", "max_write_buffer")
+
+    def __init__(self, core: ReceiveCore) -> None:
+        self._core = core
+        self.bytes_sent = 0
+        self.frames_sent = 0
+        self.write_pauses = 0
+        self.max_write_buffer = 0
+
+    @property
+    def bytes_received(self) -> int:
+        return self._core._bytes_received
+
+    @property
+    def frames_received(self) -> int:
+        return self._core._frames_received
+
+    def __repr__(self) -> str:
+        return (
+            f"ConnectionStats(bytes_sent={self.bytes_sent}, bytes_received={self.bytes_received}, "
+            f"frames_sent={self.frames_sent}, frames_received={self.frames_received}, "
+            f"write_pauses={self.write_pauses}, max_write_buffer={self.max_write_buffer})"
+        )
 
 
-class Connection(asyncio.BufferedProtocol, Endpoint):
+class Connection(ReceiveCore, asyncio.BufferedProtocol, Endpoint):
     """One framed, authenticated connection to a peer process.
 
     Made by :func:`~poseidon_aio.net.dial.connect` and :func:`~poseidon_aio.net.listener.listen`,
@@ -111,14 +129,14 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         same_host: bool = False,
     ) -> None:
         self._init_endpoint(asyncio.get_running_loop(), rank, config.inbox_high_water)
+        self._init_receive(max_payload=HANDSHAKE_MAX_PAYLOAD, memory_budget=config.memory_budget)
         self.role = role
         self.config = config
         self.peer_address = "unknown address"
-        self.stats = ConnectionStats()
+        self.stats = ConnectionStats(self)
         #: What carries the frames, once connected: ``"tcp"``, ``"tls"``, or ``"shm"`` (shared
         #: memory with a peer on this host, :mod:`poseidon_aio.net.shm`).
         self.via = ""
-        self._decoder = FrameDecoder(max_payload=HANDSHAKE_MAX_PAYLOAD, allocate=self._allocate_frame)
         # Bytes between two processes of one host cross no NIC or switch: the rings ask for no CRC.
         asks = config.payload_checksum and config.tls is None and not same_host
         self._handshake = Handshake(role, rank, config.token, protocol=protocol, checksum=asks)
@@ -129,13 +147,11 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         self._ready = self._loop.create_future()
         self._turns = WriteTurns(self._loop)
         self._read_pauses: set = set()
-        self._last_recv = self._last_send = self._loop.time()
+        self._last_send = self._loop.time()
         self._timer: Optional[asyncio.TimerHandle] = None
         self._closing = False
-        self._sink: Optional[memoryview] = None
         self._lowat_sock = None  # a plain TCP socket whose SO_RCVLOWAT follows the payload
         self._lowat_owned = False  # whether _lowat_sock is our own duplicate, closed with the link
-        self._lowat = 1
         # From accept, not from connection_made: with TLS the loop calls connection_made only once
         # TLS is up, and a peer that never finishes it must not hold this connection forever.
         self._handshake_timer: Optional[asyncio.TimerHandle] = self._loop.call_later(
@@ -319,59 +335,23 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         if not self._closed.done():
             self._closed.set_result(None)  # connection_lost will not come: there was no connection
 
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self._exc is not None:
-            if self._sink is None:
-                self._sink = memoryview(bytearray(_SINK_SIZE))
-            return self._sink
-        return self._decoder.get_buffer(sizehint)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if self._exc is not None:
-            return  # read into the sink: the link has ended
-        self._decoder.buffer_updated(nbytes)
-        self.stats.bytes_received += nbytes
-        self._last_recv = self._loop.time()
+    def _shape_ingress(self, nbytes: int) -> None:
         for bucket in self._ingress:
             delay = bucket.reserve(nbytes)
             if delay > 0:
                 self._pause_reading("ingress")
                 self._loop.call_later(delay, self._resume_reading, "ingress")
-        try:
-            while self._exc is None and (frame := self._decoder.next_frame()) is not None:
-                self.stats.frames_received += 1
-                self._on_frame(frame)
-        except Exception as exc:
-            if self._exc is not None:
-                return  # _allocate_frame ended the link already, saying why
-            if isinstance(exc, FrameError):
-                self._fail(type(exc)(f"{exc}; from {self.where}, closing that connection"), "error", exc)
-            elif isinstance(exc, PoseidonError):
-                self._fail(exc, "abort")
-            else:
-                raise
-            return
-        if self._lowat_sock is not None:
-            self._tune_lowat()
-        self._check_budget()
 
-    def _tune_lowat(self) -> None:
-        """Wake the loop for a large payload in 256 KiB steps, not at every segment: the kernel
-        reports the socket readable once ``SO_RCVLOWAT`` bytes are in (or at EOF or an error).
-        A payload's bytes are of no use before the last of them, and each wake-up is a pass of
-        the loop and a ``buffer_updated`` with the GIL held. Never above what the payload still
-        needs, so the frame's last bytes always wake us."""
-        want = self._decoder.payload_remaining
-        lowat = min(want, LOWAT_MAX) if want >= LOWAT_MIN else 1
-        if lowat != self._lowat:
-            try:
-                self._lowat_sock.setsockopt(socket.SOL_SOCKET, LOWAT_OPT, lowat)
-            except OSError:
-                if self._lowat_owned:
-                    self._lowat_sock.close()
-                self._lowat_sock = None  # not supported here: segment by segment, as before
-                return
-            self._lowat = lowat
+    def _set_lowat(self, lowat: int) -> None:
+        """Set the socket's receive mark (the receive core's ``_tune_lowat`` says when)."""
+        try:
+            self._lowat_sock.setsockopt(socket.SOL_SOCKET, LOWAT_OPT, lowat)
+        except OSError:
+            if self._lowat_owned:
+                self._lowat_sock.close()
+            self._lowat_sock = None  # not supported here: segment by segment, as before
+            return
+        self._lowat = lowat
 
     def eof_received(self) -> bool:
         return False  # close our side too; connection_lost reports it
@@ -403,62 +383,15 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
 
     # -- receive side -----------------------------------------------------------------------
 
-    def _allocate_frame(self, header: Header):
-        if not self._handshake.ready:
-            return None
-        try:
-            dest = self._allocate(header)
-            budget = self.config.memory_budget
-            if dest is None and header.length > budget:
-                raise FrameError(
-                    f"{self.where} announced {header.kind.name} key {header.key} clock {header.clock} "
-                    f"with a {header.length}-byte payload that no buffer was registered for; rank "
-                    f"{self.rank} holds at most {budget} bytes of unclaimed frames per connection "
-                    "(NetConfig.memory_budget): register a destination for it (expect(into=...) or "
-                    "the allocate hook of set_handler), or raise NetConfig.memory_budget"
-                )
-        except Exception as exc:  # noqa: BLE001 - the layer above refused the header: end this link only
-            self._fail(exc, "error")
-            raise
-        return dest
-
-    def _check_budget(self) -> None:
-        # Only a payload the decoder buffers itself grows with what the peer sends; the inbox
-        # alone stops growing at inbox_high_water (reading pauses), which is within the budget.
-        own = self._decoder.own_payload_bytes
-        if not own or self._exc is not None or self._inbox_bytes + own <= self.config.memory_budget:
-            return
-        header, got = self._decoder.partial
-        self._fail(
-            FrameError(
-                f"{self.where} sent more unclaimed data than rank {self.rank} holds per connection "
-                f"(NetConfig.memory_budget, {self.config.memory_budget} bytes): {self._inbox_bytes} "
-                f"bytes of frames nobody has taken yet, plus {own} buffered for {header.kind.name} key "
-                f"{header.key} clock {header.clock} ({got} of {header.length} bytes received); take "
-                "frames sooner (recv/expect), register destinations for large ones, or raise "
-                "NetConfig.memory_budget"
-            ),
-            "error",
-        )
-
-    def _on_frame(self, frame: Frame) -> None:
-        if not self._handshake.ready:
-            self._on_handshake_frame(frame)
-            return
+    def _on_control_frame(self, frame: Frame) -> None:
         kind = frame.kind
-        if kind is Kind.HEARTBEAT:
-            return
         if kind is Kind.GOODBYE:
             self._closing = True
             self._fail(ConnectionLost(f"{self.where} closed the connection (GOODBYE)"), "close")
-            return
-        if kind is Kind.ERROR:
+        elif kind is Kind.ERROR:
             self._fail(RemoteProtocolError(f"{self.where} reported an error: {_error_text(frame)}"), "abort")
-            return
-        if kind in _HANDSHAKE_KINDS:
+        else:
             self._fail(RemoteProtocolError(f"{self.where} sent {kind.name} after the handshake"), "error")
-            return
-        self._dispatch(frame)
 
     def _on_handshake_frame(self, frame: Frame) -> None:
         try:
@@ -475,6 +408,7 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
             self._decoder.max_payload = self.config.max_payload
             self._checksum = self._handshake.checksum
             self._decoder.require_checksum = self._checksum
+            self._handshaken = True
             self._handshake_timer.cancel()
             self._ready.set_result(self)
 
@@ -559,9 +493,10 @@ class Connection(asyncio.BufferedProtocol, Endpoint):
         if self._exc is not None:
             return
         now = self._loop.time()
+        # _last_recv is on time.monotonic()'s clock: the receive core stamps it without the loop.
         if self._read_pauses:
-            self._last_recv = now  # we chose not to read; silence is ours, not the peer's
-        if now - self._last_recv > self.config.idle_timeout:
+            self._last_recv = time.monotonic()  # we chose not to read; silence is ours, not the peer's
+        if time.monotonic() - self._last_recv > self.config.idle_timeout:
             self._fail(
                 PeerTimeout(
                     f"no bytes from {self.where} for {self.config.idle_timeout} s (idle timeout): "

@@ -263,17 +263,23 @@ class Endpoint:
             if fut.done():
                 return
             if into is not None and not landed:
-                # expect() came after this frame's header, or `into` has the wrong size.
-                try:
-                    frame = moved_into(frame, into)
-                except LocalProtocolError as exc:
-                    fut.set_exception(exc)
-                    return
+                self._claimed_late(frame, fut, into)
+                return
             fut.set_result(frame)
             return
         if self._handles(frame):
             self._to_handler(frame)
             return
+        self._to_inbox(frame)
+
+    def _claimed_late(self, frame: Frame, fut: asyncio.Future, into) -> None:
+        # expect() came after this frame's header, or `into` has the wrong size.
+        try:
+            fut.set_result(moved_into(frame, into))
+        except LocalProtocolError as exc:
+            fut.set_exception(exc)
+
+    def _to_inbox(self, frame: Frame) -> None:
         self._inbox.append(frame)
         self._inbox_bytes += frame.header.length
         self.max_inbox_bytes = max(self.max_inbox_bytes, self._inbox_bytes)

@@ -1,7 +1,8 @@
 """Options on a connection's TCP socket that follow the traffic: the receive mark (SO_RCVLOWAT).
 
-:meth:`Connection._tune_lowat <poseidon_aio.net.connection.Connection._tune_lowat>` sets the
-mark through the socket :func:`option_socket` returns.
+A connection's receive core (:meth:`~poseidon_aio.net.receive.ReceiveCore._tune_lowat`) picks
+the mark; :class:`~poseidon_aio.net.connection.Connection` sets it through the socket
+:func:`option_socket` returns.
 """
 
 from __future__ import annotations
