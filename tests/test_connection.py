@@ -360,14 +360,33 @@ async def test_offload_keeps_cheap_work_on_the_loop_once_measured_and_sends_cost
         assert {await offload.run("costly", _spin, 0.05) for _ in range(3)} == {
             pool.submit(threading.get_ident).result()
         }
-        # Work that grows past the budget goes back at its next run, and a failure is the caller's.
-        assert await offload.run("cheap", _spin, 0.05) == here
-        assert await offload.run("cheap", _spin, 0.0) != here
+        # A failure is the caller's.
         with pytest.raises(ZeroDivisionError):
             await offload.run("fails", lambda: 1 / 0)
         # A budget of 0 (a GPU's work) keeps everything off the loop.
         never = Offload(pool, budget_s=0.0)
         assert here not in {await never.run("cheap", _spin, 0.0) for _ in range(3)}
+
+
+async def test_offload_sends_work_that_grows_past_the_budget_back_off_the_loop_within_the_sampling_period():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from poseidon_aio.net.loop import INLINE_SAMPLE_EVERY, Offload
+
+    here = threading.get_ident()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        offload = Offload(pool, budget_s=0.005)
+        assert await offload.run("grows", _spin, 0.0) != here  # measured on the executor: cheap
+        # Runs on the loop are timed every INLINE_SAMPLE_EVERY-th: the one that is sends the next off.
+        on_loop = 0
+        while await offload.run("grows", _spin, 0.01) == here:
+            on_loop += 1
+            assert on_loop <= INLINE_SAMPLE_EVERY, "work over the budget stayed on the loop"
+        assert on_loop == INLINE_SAMPLE_EVERY
+        # Timed on the executor at every run: once cheap again, it is back on the loop at once.
+        assert await offload.run("grows", _spin, 0.0) != here
+        assert await offload.run("grows", _spin, 0.0) == here
 
 
 async def test_offload_remembers_a_bounded_number_of_keys(monkeypatch):
