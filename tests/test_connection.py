@@ -133,6 +133,67 @@ async def test_send_after_close_raises_connection_lost_naming_the_peer():
         await server.recv(timeout=5)
 
 
+def _count_writes(conn) -> list:
+    """Record each write the connection makes on its transport: how many frames or parts it held."""
+    transport = conn._transport
+    write, writes = transport.write, []
+
+    def one(data) -> None:
+        writes.append(1)
+        write(data)
+
+    def lines(parts) -> None:
+        parts = list(parts)
+        writes.append(len(parts))
+        for part in parts:
+            write(part)
+
+    transport.write, transport.writelines = one, lines
+    return writes
+
+
+async def test_small_frames_of_one_pass_go_out_in_one_write_in_order():
+    client, server = await connected_pair(net_config(), net_config())
+    writes = _count_writes(client)
+    got = []
+    server.set_handler(lambda f: got.append((f.clock, bytes(f.payload))))
+    for clock in range(10):
+        assert client.try_send(Kind.DATA, bytes([clock]) * 100, clock=clock)
+    assert writes == [] and client.stats.frames_sent == 10  # counted as sent, written at the pass's end
+    await asyncio.sleep(0)
+    assert writes == [10]
+    await until(lambda: len(got) == 10, what="the ten frames")
+    assert got == [(c, bytes([c]) * 100) for c in range(10)]
+    await client.close()
+
+
+async def test_a_large_frame_or_a_control_frame_goes_after_the_small_frames_before_it():
+    from poseidon_aio.net.connection import _GATHER_MAX, _JOIN_BELOW
+
+    client, server = await connected_pair(net_config(), net_config())
+    writes = _count_writes(client)
+    got = []
+    server.set_handler(lambda f: got.append(f.clock))
+    client.try_send(Kind.DATA, b"a", clock=1)
+    client.try_send(Kind.DATA, b"b", clock=2)
+    client.try_send(Kind.DATA, bytes(_JOIN_BELOW), clock=3)  # large: the two small ones first
+    assert writes[0] == 2 and sum(writes[1:]) == 2  # (the large frame: its header and payload)
+    client.try_send(Kind.DATA, b"c", clock=4)
+    client._write_control(Kind.HEARTBEAT)  # goes at once, with the small frame before it
+    assert writes[-1] == 2
+    before = len(writes)
+    for clock in range(5, 5 + _GATHER_MAX // 1000 + 1):  # past the gathering bound: out at once
+        client.try_send(Kind.DATA, bytes(1000), clock=clock)
+    assert len(writes) == before + 1
+    await client.close()  # GOODBYE goes after what is still gathered
+    await until(lambda: len(got) == 4 + _GATHER_MAX // 1000 + 1, what="every frame before GOODBYE")
+    assert got == list(range(1, 5 + _GATHER_MAX // 1000 + 1))
+    with pytest.raises(ConnectionLost, match="GOODBYE"):
+        await server.recv(timeout=5)
+    with pytest.raises(ConnectionLost):  # a write after the end raises, gathered or not
+        client.try_send(Kind.DATA, b"late")
+
+
 async def test_ingress_shaping_paces_reads():
     import time
 
