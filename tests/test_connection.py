@@ -133,6 +133,67 @@ async def test_send_after_close_raises_connection_lost_naming_the_peer():
         await server.recv(timeout=5)
 
 
+def _count_writes(conn) -> list:
+    """Record each write the connection makes on its transport: how many frames or parts it held."""
+    transport = conn._transport
+    write, writes = transport.write, []
+
+    def one(data) -> None:
+        writes.append(1)
+        write(data)
+
+    def lines(parts) -> None:
+        parts = list(parts)
+        writes.append(len(parts))
+        for part in parts:
+            write(part)
+
+    transport.write, transport.writelines = one, lines
+    return writes
+
+
+async def test_small_frames_of_one_pass_go_out_in_one_write_in_order():
+    client, server = await connected_pair(net_config(), net_config())
+    writes = _count_writes(client)
+    got = []
+    server.set_handler(lambda f: got.append((f.clock, bytes(f.payload))))
+    for clock in range(10):
+        assert client.try_send(Kind.DATA, bytes([clock]) * 100, clock=clock)
+    assert writes == [] and client.stats.frames_sent == 10  # counted as sent, written at the pass's end
+    await asyncio.sleep(0)
+    assert writes == [10]
+    await until(lambda: len(got) == 10, what="the ten frames")
+    assert got == [(c, bytes([c]) * 100) for c in range(10)]
+    await client.close()
+
+
+async def test_a_large_frame_or_a_control_frame_goes_after_the_small_frames_before_it():
+    from poseidon_aio.net.connection import _GATHER_MAX, _JOIN_BELOW
+
+    client, server = await connected_pair(net_config(), net_config())
+    writes = _count_writes(client)
+    got = []
+    server.set_handler(lambda f: got.append(f.clock))
+    client.try_send(Kind.DATA, b"a", clock=1)
+    client.try_send(Kind.DATA, b"b", clock=2)
+    client.try_send(Kind.DATA, bytes(_JOIN_BELOW), clock=3)  # large: the two small ones first
+    assert writes[0] == 2 and sum(writes[1:]) == 2  # (the large frame: its header and payload)
+    client.try_send(Kind.DATA, b"c", clock=4)
+    client._write_control(Kind.HEARTBEAT)  # goes at once, with the small frame before it
+    assert writes[-1] == 2
+    before = len(writes)
+    for clock in range(5, 5 + _GATHER_MAX // 1000 + 1):  # past the gathering bound: out at once
+        client.try_send(Kind.DATA, bytes(1000), clock=clock)
+    assert len(writes) == before + 1
+    await client.close()  # GOODBYE goes after what is still gathered
+    await until(lambda: len(got) == 4 + _GATHER_MAX // 1000 + 1, what="every frame before GOODBYE")
+    assert got == list(range(1, 5 + _GATHER_MAX // 1000 + 1))
+    with pytest.raises(ConnectionLost, match="GOODBYE"):
+        await server.recv(timeout=5)
+    with pytest.raises(ConnectionLost):  # a write after the end raises, gathered or not
+        client.try_send(Kind.DATA, b"late")
+
+
 async def test_ingress_shaping_paces_reads():
     import time
 
@@ -360,14 +421,33 @@ async def test_offload_keeps_cheap_work_on_the_loop_once_measured_and_sends_cost
         assert {await offload.run("costly", _spin, 0.05) for _ in range(3)} == {
             pool.submit(threading.get_ident).result()
         }
-        # Work that grows past the budget goes back at its next run, and a failure is the caller's.
-        assert await offload.run("cheap", _spin, 0.05) == here
-        assert await offload.run("cheap", _spin, 0.0) != here
+        # A failure is the caller's.
         with pytest.raises(ZeroDivisionError):
             await offload.run("fails", lambda: 1 / 0)
         # A budget of 0 (a GPU's work) keeps everything off the loop.
         never = Offload(pool, budget_s=0.0)
         assert here not in {await never.run("cheap", _spin, 0.0) for _ in range(3)}
+
+
+async def test_offload_sends_work_that_grows_past_the_budget_back_off_the_loop_within_the_sampling_period():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from poseidon_aio.net.loop import INLINE_SAMPLE_EVERY, Offload
+
+    here = threading.get_ident()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        offload = Offload(pool, budget_s=0.005)
+        assert await offload.run("grows", _spin, 0.0) != here  # measured on the executor: cheap
+        # Runs on the loop are timed every INLINE_SAMPLE_EVERY-th: the one that is sends the next off.
+        on_loop = 0
+        while await offload.run("grows", _spin, 0.01) == here:
+            on_loop += 1
+            assert on_loop <= INLINE_SAMPLE_EVERY, "work over the budget stayed on the loop"
+        assert on_loop == INLINE_SAMPLE_EVERY
+        # Timed on the executor at every run: once cheap again, it is back on the loop at once.
+        assert await offload.run("grows", _spin, 0.0) != here
+        assert await offload.run("grows", _spin, 0.0) == here
 
 
 async def test_offload_remembers_a_bounded_number_of_keys(monkeypatch):

@@ -17,7 +17,8 @@ Payload integrity: unless TLS is on (its MAC covers every byte), both ends put a
 payload in its header and the decoder checks it as the bytes land (``NetConfig.payload_checksum``;
 on when either end asks). A mismatch ends the connection with a ``FrameError`` naming the frame.
 
-Send path: ``transport.writelines([header, memoryview(payload)])`` over the payload's own memory.
+Send path: ``transport.writelines([header, memoryview(payload)])`` over the payload's own memory;
+small frames are copied whole and those of one pass of the loop go out together, in one write.
 Above the write high-water mark senders queue, lowest ``priority`` value first, and wait for
 ``resume_writing``; with a shaper they also wait for tokens.
 
@@ -65,6 +66,10 @@ log = logging.getLogger("poseidon_aio.net")
 
 # Below this a payload is joined to its header: one 44-byte write per frame costs more than a copy.
 _JOIN_BELOW = 16 * 1024
+# Small frames written in one pass of the loop wait for its next pass and go out in one write: a
+# system call each cost the loop more than their bytes. Past this many bytes waiting they go at
+# once (or past the write high-water mark, if lower), so backpressure never lags far behind.
+_GATHER_MAX = 64 * 1024
 # asyncio's own transports before 3.12 implement writelines as write(b"".join(...)): a full copy.
 _WRITELINES_COPIES = sys.version_info < (3, 12)
 
@@ -146,6 +151,10 @@ class Connection(ReceiveCore, asyncio.BufferedProtocol, Endpoint):
         self._transport: Optional[asyncio.Transport] = None
         self._ready = self._loop.create_future()
         self._turns = WriteTurns(self._loop)
+        self._gathered: list = []  # small frames not yet handed to the transport (_flush)
+        self._gathered_bytes = 0
+        self._gather_max = min(_GATHER_MAX, config.write_high_water)
+        self._flush_soon = False  # a _flush is scheduled for the loop's next pass
         self._read_pauses: set = set()
         self._last_send = self._loop.time()
         self._timer: Optional[asyncio.TimerHandle] = None
@@ -459,28 +468,64 @@ class Connection(ReceiveCore, asyncio.BufferedProtocol, Endpoint):
 
     def _write(self, parts: list, nbytes: int) -> None:
         self._raise_if_closed()
-        transport = self._transport
         if nbytes < _JOIN_BELOW:
-            transport.write(b"".join(parts))
-        elif self._writelines_copies:
-            for part in parts:
-                transport.write(part)
+            self._gather(b"".join(parts), nbytes)
         else:
-            transport.writelines(parts)
+            self._flush()  # what was written before goes before
+            transport = self._transport
+            if self._writelines_copies:
+                for part in parts:
+                    transport.write(part)
+            else:
+                transport.writelines(parts)
+            self._note_buffered(transport)
         self.stats.bytes_sent += nbytes
         self.stats.frames_sent += 1
         self._last_send = self._loop.time()
+        self._turns.wake()
+
+    def _gather(self, frame: bytes, nbytes: int) -> None:
+        self._gathered.append(frame)
+        self._gathered_bytes += nbytes
+        if self._gathered_bytes >= self._gather_max:
+            self._flush()
+        elif not self._flush_soon:
+            self._flush_soon = True
+            self._loop.call_soon(self._flush_scheduled)
+
+    def _flush_scheduled(self) -> None:
+        self._flush_soon = False
+        self._flush()
+
+    def _flush(self) -> None:
+        """Hand the gathered small frames to the transport, in one write."""
+        gathered = self._gathered
+        if not gathered:
+            return
+        self._gathered = []
+        self._gathered_bytes = 0
+        transport = self._transport
+        if transport is None:  # the link is gone, and with it these frames (as the transport's own)
+            return
+        if len(gathered) == 1:
+            transport.write(gathered[0])
+        else:
+            transport.writelines(gathered)
+        self._note_buffered(transport)
+
+    def _note_buffered(self, transport: asyncio.Transport) -> None:
         buffered = transport.get_write_buffer_size()
         if buffered > self.stats.max_write_buffer:
             self.stats.max_write_buffer = buffered
-        self._turns.wake()
 
     def _write_control(self, kind: Kind, payload: bytes = b"", dtype: DType = DType.BYTES) -> None:
         # Control frames are tiny and must not queue behind data (a heartbeat stuck behind 100 MB
-        # of gradients would time the peer out), so they skip backpressure and the shaper.
+        # of gradients would time the peer out), so they skip backpressure and the shaper; they go
+        # at once, after the small frames gathered before them and in the same write.
         if self._transport is None:
             return
-        self._transport.write(encode_frame(kind, payload, rank=self.rank, dtype=dtype, checksum=self._checksum))
+        self._gathered.append(encode_frame(kind, payload, rank=self.rank, dtype=dtype, checksum=self._checksum))
+        self._flush()
         self._last_send = self._loop.time()
 
     # -- liveness ---------------------------------------------------------------------------
@@ -547,15 +592,16 @@ class Connection(ReceiveCore, asyncio.BufferedProtocol, Endpoint):
         self._fail_waiters()
         self._turns.fail(self._lost())
         transport = self._transport
-        if transport is None or how == "none":
+        if transport is None or how in ("none", "abort"):
+            self._gathered, self._gathered_bytes = [], 0  # dropped, as an abort drops the transport's
+            if transport is not None and how == "abort":
+                transport.abort()
             return
         if how == "error":
             payload = json.dumps({"reason": "protocol", "message": str(exc)}).encode()
             self._write_control(Kind.ERROR, payload, DType.JSON)
-        if how == "abort":
-            transport.abort()
-        else:
-            transport.close()
+        self._flush()
+        transport.close()
 
 
 def _error_text(frame: Frame) -> str:

@@ -104,6 +104,10 @@ def is_uvloop(loop: asyncio.AbstractEventLoop) -> bool:
 # in their kernels).
 INLINE_BUDGET_S = 0.5e-3
 OFFLOAD_KEYS = 4096  # how many pieces of work one Offload remembers the cost of
+# A run kept on the loop is timed only every this many runs: the thread's CPU clock is a system
+# call (no vDSO), two a run on every layer of every step; work that grows still leaves the loop
+# within this many runs.
+INLINE_SAMPLE_EVERY = 16
 
 
 class Offload:
@@ -111,9 +115,10 @@ class Offload:
     measured to take less than ``budget_s`` of CPU, on the calling thread: the event loop's.
 
     A piece of work is known by its ``key``; its first run goes to the executor, and every run
-    records the CPU time it took there (the thread's own time: a preempted run is not charged for
-    the wait), so work that grows moves back off the loop at its next run. Where the result is
-    computed does not change its bits. ``budget_s = 0`` keeps everything on the executor (a GPU's
+    there records the CPU time it took (the thread's own time: a preempted run is not charged for
+    the wait), as does every ``INLINE_SAMPLE_EVERY``-th run on the loop, so work that grows moves
+    back off the loop within that many runs. Where the result is computed does not change its
+    bits. ``budget_s = 0`` keeps everything on the executor (a GPU's
     work waits on its streams); ``executor=None`` runs everything in place (tests).
 
     >>> # mine = await offload.run(("top-k", layer), step.begin)
@@ -122,7 +127,8 @@ class Offload:
     def __init__(self, executor: Optional[Executor], budget_s: float = INLINE_BUDGET_S) -> None:
         self._executor = executor
         self._budget = budget_s
-        self._took: dict = {}  # key -> CPU seconds of its last run; at most OFFLOAD_KEYS keys
+        self._took: dict = {}  # key -> CPU seconds of its last timed run; at most OFFLOAD_KEYS keys
+        self._untimed: dict = {}  # key -> its runs on the loop since it was last timed
 
     def inline(self, key: Hashable) -> bool:
         """Whether ``key``'s next run stays on the calling thread."""
@@ -134,6 +140,10 @@ class Offload:
         if self._executor is None:
             return fn(*args)
         if self.inline(key):
+            untimed = self._untimed.get(key, 0) + 1
+            if untimed < INLINE_SAMPLE_EVERY:
+                self._untimed[key] = untimed
+                return fn(*args)
             return self._timed(key, fn, args)
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._timed, key, fn, args)
 
@@ -144,6 +154,7 @@ class Offload:
         finally:
             if key in self._took or len(self._took) < OFFLOAD_KEYS:  # past the bound: left on the executor
                 self._took[key] = time.thread_time() - started
+                self._untimed[key] = 0
 
 
 class LoopThread:

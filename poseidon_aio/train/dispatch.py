@@ -1,9 +1,10 @@
 """One step's hooks -> buckets -> syncers: each layer's sync starts the moment backward is done
 with it (WFBP), and a merge group's once its last member is in.
 
-Backward hooks run on the compute thread: they only take what the sync will copy and wake the
-loop with ``call_soon_threadsafe``. The loop wraps the layer's buffers in a :class:`Bucket` and
-starts its scheme's syncer. This module is the only place that reads a scheme's traits
+Backward hooks run on the compute thread: they only take what the sync will copy and hand the
+layer to the loop (:class:`~poseidon_aio.train.handoff.Handoff`: one wake-up per burst of hooks,
+not one per layer). The loop wraps the layer's buffers in a :class:`Bucket` and starts its
+scheme's syncer. This module is the only place that reads a scheme's traits
 (:class:`SchemePlan`).
 """
 
@@ -20,6 +21,7 @@ import torch
 from ..errors import ConfigError
 from ..plan import Mode, Scheme
 from ..sync import Bucket, Merging, syncer_class
+from .handoff import Handoff
 from .layers import FactorCapture, GradReady, Layer, TokenCount
 from .staging import Staging
 from .step import Aggregates, StepState
@@ -97,6 +99,7 @@ class Dispatch:
         self._wake_with: dict = {}  # layer index -> its merge group (more than one layer)
         self._held_lock = threading.Lock()  # a GPU backward may run hooks on several threads
         self._loop = asyncio.get_running_loop()
+        self._handoff = Handoff(self._loop)  # the hooks' layers, to the loop
         self.ready = {layer.index: GradReady(layer, self._on_ready_threadsafe) for layer in layers}
         self.captures = {
             layer.index: FactorCapture(layer, self._on_ready_threadsafe) for layer in layers if layer.factorable
@@ -164,6 +167,7 @@ class Dispatch:
 
     def launch_rest(self, state: StepState) -> None:
         """After the backward: the naive mode's held layers, and layers that gave no gradient."""
+        self._handoff.drain()  # hooks' layers not launched yet keep their ready times
         state.compute_done = True
         for layer in [*state.deferred, *reversed(self.layers)]:
             self._launch(state, layer)
@@ -200,7 +204,7 @@ class Dispatch:
         now = time.perf_counter()
         group = self._wake_with.get(layer.index)
         if group is None:
-            self._loop.call_soon_threadsafe(self._launch, state, layer, now)
+            self._handoff.call(self._launch, state, layer, now)
             return
         # A merge group's message leaves once its last member is in: wake the loop once for all
         # of them, not once a layer (each wake-up costs the loop a pass and the backward the GIL).
@@ -210,7 +214,7 @@ class Dispatch:
             held.append((layer, now))
             complete = len(held) == len(group)
         if complete:
-            self._loop.call_soon_threadsafe(self._launch_held, state, held)
+            self._handoff.call(self._launch_held, state, held)
 
     # -- on the loop ------------------------------------------------------------------------
 

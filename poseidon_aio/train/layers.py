@@ -6,7 +6,7 @@ whose factors only describe one module's use of it.
 
 Hooks run on the compute thread. They never block and never touch a socket: they record what they
 must (for SFB the input rows in the forward, the output-gradient rows in the backward) and hand
-the layer to the event loop with ``call_soon_threadsafe``.
+the layer to the event loop (:class:`~poseidon_aio.train.handoff.Handoff`).
 """
 
 from __future__ import annotations
