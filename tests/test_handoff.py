@@ -27,7 +27,8 @@ class _CountingLoop:
         self.loop.call_exception_handler(context)
 
 
-async def _until(predicate, timeout: float = 10.0) -> None:
+async def _until(predicate, timeout: float = 60.0) -> None:
+    # A bound on a hang, not a timing: 8 threads switching every microsecond beside a CPU hog are slow.
     async with asyncio.timeout(timeout):
         while not predicate():
             await asyncio.sleep(0.001)
