@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from poseidon_aio.errors import AuthenticationError, ConnectionLost, FrameError, HandshakeError
 from poseidon_aio.net import connect_unix, listen
 from poseidon_aio.net.handshake import Handshake, Role
-from poseidon_aio.net.shm import RING_BYTES
+from poseidon_aio.net.shm import MIN_RING_BYTES, RING_BYTES
 from poseidon_aio.net.unix import AVAILABLE, PREFIX
 from poseidon_aio.wire import DType, FrameDecoder, Kind, encode_frame
 
@@ -106,7 +106,7 @@ async def test_a_process_without_the_token_is_refused_on_the_same_host_link():
     assert f"on unix socket @{name}" in refused[0][1]  # the listener names the dialler's pid and socket
 
 
-async def test_a_peer_that_offers_no_ring_or_an_unsealed_one_is_refused():
+async def test_a_peer_that_offers_no_ring_an_unsealed_one_or_one_out_of_bounds_is_refused():
     listener, conns = await echo_listener()
     try:
 
@@ -124,13 +124,20 @@ async def test_a_peer_that_offers_no_ring_or_an_unsealed_one_is_refused():
             with RawRingPeer(listener.unix_name, sealed=False) as peer:
                 return peer.offered
 
+        def tiny():
+            with RawRingPeer(listener.unix_name, size=MIN_RING_BYTES // 2) as peer:
+                return peer.offered
+
         async with asyncio.timeout(20):
             assert await asyncio.to_thread(no_ring) == b""
             await listener.wait_refused(1, timeout=30)
             assert await asyncio.to_thread(unsealed) is False
             await listener.wait_refused(2, timeout=30)
+            assert await asyncio.to_thread(tiny) is False
+            await listener.wait_refused(3, timeout=30)
         assert "did not offer a shared-memory ring" in str(listener.refused[0])
         assert "not sealed" in str(listener.refused[1]) and conns == []
+        assert f"offered a ring of {MIN_RING_BYTES // 2} bytes, outside" in str(listener.refused[2])
         assert all(isinstance(e, HandshakeError) and "\n" not in str(e) for e in listener.refused)
     finally:
         await listener.close()
@@ -380,3 +387,26 @@ def test_same_host_link_is_validated():
 
     with pytest.raises(ConfigError, match="same_host_link must be one of auto, tcp"):
         net_config(same_host_link="udp")
+    with pytest.raises(ConfigError, match="same_host_ring_bytes: 65636 bytes, not a whole number of"):
+        net_config(same_host_ring_bytes=65636)
+    with pytest.raises(ConfigError, match="same_host_ring_bytes: 2147483648 bytes, outside"):
+        net_config(same_host_ring_bytes=2 << 30)
+
+
+async def test_each_side_writes_into_a_ring_of_its_own_size_and_larger_frames_go_in_pieces():
+    listener, conns = await echo_listener(same_host_ring_bytes=MIN_RING_BYTES)
+    try:
+        async with asyncio.timeout(30):
+            conn = await connect_unix(listener.unix_name, rank=0, config=net_config(same_host_ring_bytes=1 << 20))
+            assert conn.via == "shm" and conn._transport.get_extra_info("shm") == (1 << 20, MIN_RING_BYTES)
+            rng = np.random.default_rng(1)
+            for clock, size in enumerate([4, MIN_RING_BYTES - 44, MIN_RING_BYTES + 4, 3 << 20]):
+                grad = rng.standard_normal(size // 4, dtype=np.float32)
+                into = np.empty_like(grad)
+                back = conn.expect(Kind.AGGREGATE, 2, clock, into=into)
+                await conn.send(Kind.PUSH, grad, key=2, clock=clock, dtype=DType.FLOAT32)
+                await back
+                assert np.array_equal(into, grad), size
+            await conn.close()
+    finally:
+        await listener.close()

@@ -11,6 +11,7 @@ from typing import Optional
 from ..errors import ConfigError
 from ..wire import DEFAULT_MAX_PAYLOAD
 from .shaper import ShaperConfig
+from .shm import RING_BYTES, ring_size_problem
 
 # How workers on one host connect (NetConfig.same_host_link).
 SAME_HOST_LINKS = ("auto", "tcp")
@@ -138,6 +139,9 @@ class NetConfig:
             :mod:`poseidon_aio.net.unix`), else loopback TCP; ``"tcp"``: always TCP. Per
             process: a dialler that says ``"tcp"``, or a listener that offers no Unix socket,
             makes that pair's link TCP.
+        same_host_ring_bytes: the shared-memory ring this process writes into on such a link, in
+            bytes (the peer's, which it reads, is the peer's own setting): a whole number of pages,
+            64 KiB to 1 GiB. A frame larger than the ring goes through it in pieces.
 
     >>> NetConfig(token=b"x" * 16).idle_timeout
     30.0
@@ -160,6 +164,7 @@ class NetConfig:
     tls: Optional[TLSConfig] = None
     payload_checksum: bool = True
     same_host_link: str = "auto"
+    same_host_ring_bytes: int = RING_BYTES
 
     def __post_init__(self) -> None:
         if isinstance(self.token, str):
@@ -184,6 +189,8 @@ class NetConfig:
                 f"inbox_high_water ({self.inbox_high_water} bytes): reading must pause before a "
                 "connection reaches its budget, or a slow consumer ends healthy connections"
             )
+        if problem := ring_size_problem(self.same_host_ring_bytes):
+            raise ConfigError(f"NetConfig.same_host_ring_bytes: {problem}")
         if self.same_host_link not in SAME_HOST_LINKS:
             raise ConfigError(
                 f"NetConfig.same_host_link must be one of {', '.join(SAME_HOST_LINKS)}, got {self.same_host_link!r}"

@@ -207,7 +207,9 @@ class Listener:
             try:
                 if sock.family == socket.AF_UNIX:  # a worker of this host: shared-memory rings
                     async with asyncio.timeout(handshake_timeout):
-                        await open_link(sock, conn, first=False, peer=conn.peer_address)
+                        await open_link(
+                            sock, conn, first=False, peer=conn.peer_address, ring_bytes=conn.config.same_host_ring_bytes
+                        )
                 else:
                     await loop.connect_accepted_socket(
                         lambda: conn, sock, ssl=tls, ssl_handshake_timeout=handshake_timeout if tls else None

@@ -1,7 +1,8 @@
 """Shared-memory rings as an asyncio transport: what carries a :class:`Connection` between two
 workers on one host.
 
-Each direction has a ring of ``RING_BYTES`` in an anonymous memory file (``memfd_create``): the
+Each direction has a ring in an anonymous memory file (``memfd_create``), of the size its writer
+chose (``NetConfig.same_host_ring_bytes``): the
 sender copies its bytes in, the receiver copies them out straight into the protocol's buffer
 (the decoder's, or a registered destination), and a connected Unix socket carries only the
 doorbells: ``W n`` (n more bytes are in the ring) and ``R n`` (n bytes were taken, their space
@@ -35,8 +36,10 @@ from typing import Optional
 
 from ..errors import HandshakeError, RemoteProtocolError
 
-#: Bytes of one direction's ring.
+#: Bytes of the ring a process writes into, by default (``NetConfig.same_host_ring_bytes``), and
+#: the bounds of what either side may choose: a whole number of pages (it is mapped).
 RING_BYTES = 4 << 20
+MIN_RING_BYTES, MAX_RING_BYTES = 64 << 10, 1 << 30
 #: Whether this platform has what the rings need (memfd with seals, fd passing): Linux.
 AVAILABLE = all(hasattr(os, n) for n in ("memfd_create", "MFD_ALLOW_SEALING")) and hasattr(fcntl, "F_ADD_SEALS")
 
@@ -82,12 +85,22 @@ async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
         loop.remove_reader(sock.fileno())
 
 
-async def _exchange(sock: socket.socket, first: bool, peer: str) -> tuple:
-    """Send our ring's offer and take the peer's (the dialler goes first). Returns ``(our fd, its fd)``."""
+def ring_size_problem(size: int) -> str:
+    """Why ``size`` cannot be a ring's (``""``: it can)."""
+    if not MIN_RING_BYTES <= size <= MAX_RING_BYTES:
+        return f"{size} bytes, outside {MIN_RING_BYTES}..{MAX_RING_BYTES}"
+    if size % mmap.PAGESIZE:
+        return f"{size} bytes, not a whole number of {mmap.PAGESIZE}-byte pages"
+    return ""
+
+
+async def _exchange(sock: socket.socket, first: bool, peer: str, ring_bytes: int) -> tuple:
+    """Send our ring's offer and take the peer's (the dialler goes first). Returns ``(our fd, its
+    fd, its size)``."""
     loop = asyncio.get_running_loop()
-    ours = _new_ring(RING_BYTES)
+    ours = _new_ring(ring_bytes)
     try:
-        offer = _OFFER.pack(_MAGIC, _VERSION, RING_BYTES)
+        offer = _OFFER.pack(_MAGIC, _VERSION, ring_bytes)
         if first:
             socket.send_fds(sock, [offer], [ours])
         while True:
@@ -101,11 +114,13 @@ async def _exchange(sock: socket.socket, first: bool, peer: str) -> tuple:
             if len(data) != _OFFER.size or len(fds) != 1:
                 raise HandshakeError(f"{peer} did not offer a shared-memory ring (got {len(data)} bytes): refused")
             magic, version, size = _OFFER.unpack(data)
-            if magic != _MAGIC or version != _VERSION or size != RING_BYTES:
+            if magic != _MAGIC or version != _VERSION:
                 raise HandshakeError(
-                    f"{peer} offered ring version {version} of {size} bytes where this release uses version "
-                    f"{_VERSION} of {RING_BYTES}: run the same poseidon_aio release everywhere"
+                    f"{peer} offered ring version {version} where this release uses version {_VERSION}: "
+                    "run the same poseidon_aio release everywhere"
                 )
+            if problem := ring_size_problem(size):
+                raise HandshakeError(f"{peer} offered a ring of {problem}: refused")
             _check_ring(fds[0], size, peer)
         except BaseException:
             for fd in fds:
@@ -113,29 +128,32 @@ async def _exchange(sock: socket.socket, first: bool, peer: str) -> tuple:
             raise
         if not first:
             socket.send_fds(sock, [offer], [ours])
-        return ours, fds[0]
+        return ours, fds[0], size
     except BaseException:
         os.close(ours)
         raise
 
 
-async def open_link(sock: socket.socket, protocol: asyncio.BufferedProtocol, *, first: bool, peer: str):
+async def open_link(
+    sock: socket.socket, protocol: asyncio.BufferedProtocol, *, first: bool, peer: str, ring_bytes: int = RING_BYTES
+):
     """Put ``protocol`` on shared-memory rings with the process at the other end of ``sock``.
 
     Args:
         sock: a connected, non-blocking AF_UNIX stream socket; the transport owns it after this.
         first: whether this side sends its ring first (the dialler does).
         peer: names the other side in errors.
+        ring_bytes: the size of the ring this side writes into (the peer's is its own choice).
     Returns:
         The :class:`ShmTransport`; ``protocol.connection_made`` has been called.
     Raises:
         HandshakeError: the peer offered no ring, or one we may not map.
         OSError: the socket failed.
     """
-    ours, theirs = await _exchange(sock, first, peer)
+    ours, theirs, their_bytes = await _exchange(sock, first, peer, ring_bytes)
     try:
-        out_ring = mmap.mmap(ours, RING_BYTES)
-        in_ring = mmap.mmap(theirs, RING_BYTES, prot=mmap.PROT_READ)
+        out_ring = mmap.mmap(ours, ring_bytes)
+        in_ring = mmap.mmap(theirs, their_bytes, prot=mmap.PROT_READ)
     finally:
         os.close(ours)
         os.close(theirs)
@@ -174,11 +192,12 @@ class ShmTransport(asyncio.Transport):
     ``BufferedProtocol``. Made by :func:`open_link`."""
 
     def __init__(self, loop, protocol, out_ring: mmap.mmap, in_ring: mmap.mmap, sock: socket.socket) -> None:
-        super().__init__({"shm": RING_BYTES, "socket": sock, "peername": None})
+        super().__init__({"shm": (len(out_ring), len(in_ring)), "socket": sock, "peername": None})
         self._loop = loop
         self._protocol = protocol
         self._out_map, self._in_map = out_ring, in_ring
         self._out, self._in = memoryview(out_ring), memoryview(in_ring)
+        self._out_size, self._in_size = len(out_ring), len(in_ring)
         self._written = self._taken_back = 0  # our ring: bytes put in, bytes the peer gave back
         self._read = self._unread = 0  # the peer's ring: bytes taken out, bytes announced not yet taken
         self._queue: deque = deque()  # what did not fit in our ring yet (views, not copies)
@@ -270,12 +289,12 @@ class ShmTransport(asyncio.Transport):
         """Move queued bytes into our ring while it has room; ring the doorbell once."""
         put = 0
         while self._queue:
-            room = RING_BYTES - (self._written - self._taken_back)
+            room = self._out_size - (self._written - self._taken_back)
             if room == 0:
                 break
             view = self._queue[0]
-            pos = self._written % RING_BYTES
-            k = min(room, view.nbytes, RING_BYTES - pos)
+            pos = self._written % self._out_size
+            k = min(room, view.nbytes, self._out_size - pos)
             self._out[pos : pos + k] = view[:k]
             self._written += k
             put += k
@@ -317,7 +336,7 @@ class ShmTransport(asyncio.Transport):
         """One doorbell from the peer; ``True`` when it ended the link."""
         if self._lost or self._eof is not None:
             return True
-        if what == b"W" and self._unread + n <= RING_BYTES:
+        if what == b"W" and self._unread + n <= self._in_size:
             self._unread += n
             self._schedule_consume()
             return False
@@ -329,7 +348,7 @@ class ShmTransport(asyncio.Transport):
         self._eof = (
             RemoteProtocolError(
                 f"doorbell {what!r} {n} does not fit the shared-memory ring ({self._unread} bytes unread of "
-                f"{RING_BYTES}, {self._written - self._taken_back} of ours in flight): the peer is not a "
+                f"{self._in_size}, {self._written - self._taken_back} of ours in flight): the peer is not a "
                 "poseidon_aio process of this release"
             ),
         )
@@ -348,9 +367,9 @@ class ShmTransport(asyncio.Transport):
         broken = self._eof is not None and (self._eof[0] is not None or self._closing)
         if not broken:
             while self._unread and self._reading and not self._lost:
-                pos = self._read % RING_BYTES
+                pos = self._read % self._in_size
                 buf = memoryview(self._protocol.get_buffer(min(self._unread, _READ_STEP))).cast("B")
-                k = min(buf.nbytes, self._unread, RING_BYTES - pos, _READ_STEP)
+                k = min(buf.nbytes, self._unread, self._in_size - pos, _READ_STEP)
                 buf[:k] = self._in[pos : pos + k]
                 buf.release()
                 self._read += k

@@ -102,7 +102,7 @@ async def connect_unix(
     try:
         async with asyncio.timeout(config.connect_timeout):
             await loop.sock_connect(sock, "\0" + name)
-            await open_link(sock, conn, first=True, peer=conn.peer_address)
+            await open_link(sock, conn, first=True, peer=conn.peer_address, ring_bytes=config.same_host_ring_bytes)
     except BaseException as exc:
         sock.close()
         conn._discard()

@@ -12,33 +12,35 @@ from poseidon_aio.net import shm
 
 class RawRingPeer:
     """Dials abstract name ``name`` and exchanges rings; ``sealed=False`` offers a ring file the
-    listener must refuse (it could shrink it under the listener's reads)."""
+    listener must refuse (it could shrink it under the listener's reads), ``size`` a ring of
+    another size (the listener refuses one outside its bounds)."""
 
-    def __init__(self, name: str, sealed: bool = True) -> None:
+    def __init__(self, name: str, sealed: bool = True, size: int = shm.RING_BYTES) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(10)
         self.sock.connect("\0" + name)
         if sealed:
-            fd = shm._new_ring(shm.RING_BYTES)
+            fd = shm._new_ring(size)
         else:
             fd = os.memfd_create("not-sealed", os.MFD_CLOEXEC)
-            os.ftruncate(fd, shm.RING_BYTES)
-        socket.send_fds(self.sock, [shm._OFFER.pack(shm._MAGIC, shm._VERSION, shm.RING_BYTES)], [fd])
-        self.out = mmap.mmap(fd, shm.RING_BYTES)
+            os.ftruncate(fd, size)
+        socket.send_fds(self.sock, [shm._OFFER.pack(shm._MAGIC, shm._VERSION, size)], [fd])
+        self.out, self.out_size = mmap.mmap(fd, size), size
         os.close(fd)
         self.ring_in = None
         data, fds, _, _ = socket.recv_fds(self.sock, shm._OFFER.size, 1)
-        if fds:
-            self.ring_in = mmap.mmap(fds[0], shm.RING_BYTES, prot=mmap.PROT_READ)
-            os.close(fds[0])
         self.offered = len(data) == shm._OFFER.size and len(fds) == 1
+        if fds:
+            self.in_size = shm._OFFER.unpack(data)[2] if self.offered else shm.RING_BYTES
+            self.ring_in = mmap.mmap(fds[0], self.in_size, prot=mmap.PROT_READ)
+            os.close(fds[0])
         self._written = self._read = 0
         self._bells = b""
 
     def send(self, data: bytes) -> None:
         """Put ``data`` in our ring (it must fit the room the listener gave back) and ring."""
-        pos = self._written % shm.RING_BYTES
-        first = min(len(data), shm.RING_BYTES - pos)
+        pos = self._written % self.out_size
+        first = min(len(data), self.out_size - pos)
         self.out[pos : pos + first] = data[:first]
         self.out[: len(data) - first] = data[first:]
         self._written += len(data)
@@ -63,8 +65,8 @@ class RawRingPeer:
             self._bells = data[whole:]
             for what, n in shm._BELL.iter_unpack(data[:whole]):
                 if what == b"W":
-                    pos = self._read % shm.RING_BYTES
-                    first = min(n, shm.RING_BYTES - pos)
+                    pos = self._read % self.in_size
+                    first = min(n, self.in_size - pos)
                     out += self.ring_in[pos : pos + first] + self.ring_in[: n - first]
                     self._read += n
         return out
