@@ -31,6 +31,7 @@ from poseidon_aio.wire import DType, FrameDecoder, Kind, encode_frame
 from .support.conditions import until
 from .support.memtransport import run_async
 from .support.rawshm import RawRingPeer
+from .support.echo import round_trips
 from .support.rawpeer import raw_handshake
 from .support.procs import TOKEN, child, net_config, report, slow_reader, unix_echo_server
 
@@ -71,15 +72,7 @@ async def test_frames_cross_processes_over_the_rings_into_registered_buffers():
             conn = await connect_unix(name, rank=0, config=net_config())
             assert conn.via == "shm" and conn.peer_rank == 1 and f"@{name}" in conn.where
             assert not conn.payload_checksum  # one host: no NIC between the two, no CRC asked
-            rng = np.random.default_rng(0)
-            for clock, size in enumerate([0, 1, 4, 1000, 65536, 1 << 20, 3 << 20]):
-                grad = rng.standard_normal(size // 4, dtype=np.float32)
-                into = np.empty_like(grad)
-                fut = conn.expect(Kind.AGGREGATE, key=9, clock=clock, into=into)
-                await conn.send(Kind.PUSH, grad, key=9, clock=clock, dtype=DType.FLOAT32)
-                frame = await fut
-                np.testing.assert_array_equal(into, grad)
-                assert frame.header.dtype is DType.FLOAT32 and frame.header.length == grad.nbytes
+            await round_trips(conn, [0, 1, 4, 1000, 65536, 1 << 20, 3 << 20])
             await conn.close()
         seen = report(pipe)
     assert seen["refused"] == [] and seen["vias"] == ["shm"]
@@ -399,14 +392,7 @@ async def test_each_side_writes_into_a_ring_of_its_own_size_and_larger_frames_go
         async with asyncio.timeout(30):
             conn = await connect_unix(listener.unix_name, rank=0, config=net_config(same_host_ring_bytes=1 << 20))
             assert conn.via == "shm" and conn._transport.get_extra_info("shm") == (1 << 20, MIN_RING_BYTES)
-            rng = np.random.default_rng(1)
-            for clock, size in enumerate([4, MIN_RING_BYTES - 44, MIN_RING_BYTES + 4, 3 << 20]):
-                grad = rng.standard_normal(size // 4, dtype=np.float32)
-                into = np.empty_like(grad)
-                back = conn.expect(Kind.AGGREGATE, 2, clock, into=into)
-                await conn.send(Kind.PUSH, grad, key=2, clock=clock, dtype=DType.FLOAT32)
-                await back
-                assert np.array_equal(into, grad), size
+            await round_trips(conn, [4, MIN_RING_BYTES - 44, MIN_RING_BYTES + 4, 3 << 20], key=2)
             await conn.close()
     finally:
         await listener.close()
