@@ -270,6 +270,12 @@ def test_merged_and_unmerged_syncs_give_bitwise_equal_results_and_one_plan_every
         # mid-tensor between shards, two runs (messages) a shard (book.GROUP_RUNS).
         ("single-spread", "mgwfbp", None, "single", {"ps": {"group_spread_bytes": 64}}),
         ("alg1-spread", "mgwfbp", None, "algorithm1", {"ps": {"group_spread_bytes": 64}}),
+        # The all-reduce's merged message, round the ring and direct: one buffer each way on CPU,
+        # and one array a parameter through the GPU path's host buffers (force_staging).
+        ("ring", "poseidon", "every-allreduce", "single", {"allreduce": "ring"}),
+        ("ring-staged", "poseidon", "every-allreduce", "single", {"allreduce": "ring", "force_staging": True}),
+        ("direct", "poseidon", "every-allreduce", "single", {"allreduce": "direct"}),
+        ("direct-staged", "poseidon", "every-allreduce", "single", {"allreduce": "direct", "force_staging": True}),
         ("two", "mgwfbp", None, "best", {"merge_trial": 1, "two_plans": True}),  # last: it patches the planner
     ]
     res = run_workers(3, train_worker, spec, 2, runs, 4, 4, {}, timeout=180)
@@ -279,6 +285,12 @@ def test_merged_and_unmerged_syncs_give_bitwise_equal_results_and_one_plan_every
             assert all(a.tobytes() == b.tobytes() for a, b in zip(base, res[r][label]["params"])), (
                 f"{label} on rank {r}"
             )
+    for label in ("ring", "direct"):
+        for r in range(3):
+            assert all(
+                a.tobytes() == b.tobytes() for a, b in zip(res[0][label]["params"], res[r][f"{label}-staged"]["params"])
+            ), f"{label} on rank {r}"
+        assert len(res[0][label]["groups"]) == 1, label
     assert len(res[0]["single"]["groups"]) == 1
     # The model's ~1 KB in one group: on one shard by default (under two runs of 64 KiB), on all
     # three within an item of each other when spread.

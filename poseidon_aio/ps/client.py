@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -42,6 +42,10 @@ class PushResult:
 # Notices are kept for the newest clocks only: a job that drops a straggler at every clock for days
 # must not grow a dict by a clock each time. A push reads its clock's notice within sync_timeout.
 NOTICES_KEPT = 1024
+
+
+# Layouts of merged pushes kept (_runs): a trainer pushes a few groups (more while it tries plans).
+LAYOUTS_KEPT = 1024
 
 
 def _keep_newest(notices: dict) -> None:
@@ -254,6 +258,7 @@ class PSClient:
         self._gate_waiters: list = []
         self._stalls: dict = {}
         self._failure = self._loop.create_future()
+        self._layouts: dict = {}  # params -> _runs(params)
         for conn in conns.values():
             conn.set_handler(self._on_notice, kinds={Kind.CONTROL})
 
@@ -305,6 +310,70 @@ class PSClient:
                 conn, Kind.PUSH, self.book.slices(m, flat_g), m.id, clock, DTYPE_BY_NAME[m.dtype], priority, m.nbytes
             )
         return op.started()
+
+    def push_flat(
+        self, params: Sequence[int], grads: np.ndarray, out: np.ndarray, clock: int, priority: int = 0
+    ) -> Optional[asyncio.Future]:
+        """:meth:`push` of ``params`` given as one buffer each way (``grads`` and ``out``: 1-D,
+        the parameters back to back in this order), each message one slice of them; ``None``
+        where some message is not one run of that layout (push the arrays one by one).
+
+        Raises:
+            LocalProtocolError: as :meth:`push`, or the buffers do not hold ``params``.
+        """
+        layout = self._runs(tuple(params))
+        if layout is None:
+            return None
+        runs, size, dtype = layout
+        for name, a in (("gradients", grads), ("results", out)):
+            if a.shape != (size,) or a.dtype != dtype or not a.flags.c_contiguous:
+                first, last = self.book.manifest[params[0]].name, self.book.manifest[params[-1]].name
+                raise LocalProtocolError(
+                    f"rank {self.rank}: the {name} of {first} to {last} are one buffer of {list(a.shape)} "
+                    f"{a.dtype}; the manifest says [{size}] {dtype}, C-contiguous"
+                )
+        server = self.config.server_sgd is not None
+        reply_kind, reply_clock = (Kind.PARAMS, clock + 1) if server else (Kind.AGGREGATE, clock)
+        op = _Sync(self, self.book.messages_of_params(params), clock, f"replies for clock {clock}")
+        for m, lo, hi in runs:
+            conn = self._conns[m.shard]
+            op.expect(conn, reply_kind, m.id, reply_clock, [out[lo:hi]])
+            op.send(conn, Kind.PUSH, [grads[lo:hi]], m.id, clock, DTYPE_BY_NAME[m.dtype], priority, m.nbytes)
+        return op.started()
+
+    def _runs(self, params: tuple) -> Optional[tuple]:
+        """``(((message, lo, hi), ...), elements, dtype)``: where each message of ``params`` lies
+        in their back-to-back layout, found once per tuple; ``None`` where one is not a single run."""
+        found = self._layouts.get(params, False)
+        if found is not False:
+            return found
+        at, size = {}, 0
+        for p in params:
+            at[p] = size
+            size += self.book.manifest[p].numel
+        dtypes = {self._expected[p][1] for p in params}
+        runs = []
+        for m in self.book.messages_of_params(params):
+            lo = hi = None
+            for k in m.keys:
+                pair = self.book.pairs[k]
+                if pair.param not in at:
+                    other = self.book.manifest[pair.param].name
+                    raise LocalProtocolError(
+                        f"message {m.id} also carries {other}: push its whole merge group together"
+                    )
+                begin = at[pair.param] + pair.offset
+                if hi is not None and begin != hi:
+                    runs = None
+                    break
+                lo, hi = (begin if lo is None else lo), begin + pair.numel
+            if runs is None:
+                break
+            runs.append((m, lo, hi))
+        found = (tuple(runs), size, dtypes.pop()) if runs is not None and len(dtypes) == 1 else None
+        if len(self._layouts) < LAYOUTS_KEPT:
+            self._layouts[params] = found
+        return found
 
     def push_message(self, message: Message, payload: list, out: list, clock: int, priority: int = 0) -> asyncio.Future:
         """Push ``payload`` (arrays, gathered) as ``message`` for ``clock``, its host's sum where

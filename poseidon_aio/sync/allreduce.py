@@ -140,7 +140,7 @@ def _scatter(flat: np.ndarray, arrays: list, pieces: list) -> None:
 
 def layout_of(cache: dict, bucket: Bucket, owners: int, chunk_bytes: int, itemsize: int) -> _Layout:
     """The bucket's :class:`_Layout` over ``owners`` slices, made once per bucket shape (``cache``)."""
-    sizes = tuple(g.size for g in bucket.grads)
+    sizes = (bucket.flat[0].size,) if bucket.flat is not None else tuple(g.size for g in bucket.grads)
     key = (bucket.layers, sizes)
     layout = cache.get(key)
     if layout is None:
@@ -154,8 +154,11 @@ def flat_arrays(bucket: Bucket) -> tuple:
     Raises:
         ConfigError: the bucket mixes dtypes, or holds one with no wire type.
     """
-    grads = [g.reshape(-1) for g in bucket.grads]
-    outs = [o.reshape(-1) for o in bucket.outs]
+    if bucket.flat is not None:  # one buffer each way: no pass per parameter
+        grads, outs = [bucket.flat[0]], [bucket.flat[1]]
+    else:
+        grads = [g.reshape(-1) for g in bucket.grads]
+        outs = [o.reshape(-1) for o in bucket.outs]
     dtype = grads[0].dtype
     if any(g.dtype != dtype for g in grads):
         raise ConfigError(

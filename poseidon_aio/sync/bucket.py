@@ -26,9 +26,12 @@ class Bucket:
         members: ``(layer label, number of parameters)`` of each layer it covers, in model order:
             a scheme that keeps state per layer (PowerSGD's error feedback) keys it by these, so
             the state is the same however MG-WFBP groups the layers.
+        flat: ``(grads, outs)``, each one 1-D array over all the parameters back to back, of
+            which ``grads`` and ``outs`` are views; ``None`` where they are not one buffer. A
+            syncer that moves bytes, not tensors, takes these and skips a pass per parameter.
     """
 
-    __slots__ = ("label", "layers", "params", "grads", "outs", "factors", "shape", "priority", "members")
+    __slots__ = ("label", "layers", "params", "grads", "outs", "factors", "shape", "priority", "members", "flat")
 
     def __init__(
         self,
@@ -42,6 +45,7 @@ class Bucket:
         shape: Optional[tuple] = None,
         priority: int = 0,
         members: Optional[Sequence[tuple]] = None,
+        flat: Optional[tuple] = None,
     ) -> None:
         self.label = label
         self.layers = tuple(layers)
@@ -52,6 +56,7 @@ class Bucket:
         self.shape = shape
         self.priority = priority
         self.members = tuple(members) if members is not None else ((label, len(self.params)),)
+        self.flat = flat
 
     def __repr__(self) -> str:
         return f"<Bucket {self.label} layers {list(self.layers)} params {list(self.params)}>"

@@ -69,6 +69,19 @@ class Merging(Syncer):
             )
         return asyncio.ensure_future(self.inner.start(Bucket.merged([by_layer[m] for m in self.groups[g]]), clock))
 
+    def start_merged(self, bucket: Bucket, clock: int) -> asyncio.Future:
+        """A whole group's bucket, made as one (``Bucket.flat``): one message.
+
+        Raises:
+            ConfigError: the bucket's layers are not one merge group's.
+        """
+        g = self._group_of.get(bucket.layers[0]) if bucket.layers else None
+        if g is None or bucket.layers != self.groups[g]:
+            raise ConfigError(
+                f"a merged message takes one whole merge group; got layers {list(bucket.layers)} (groups {self.groups})"
+            )
+        return asyncio.ensure_future(self.inner.start(bucket, clock))
+
 
 def _settle(task: asyncio.Task, futures: list) -> None:
     for fut in futures:

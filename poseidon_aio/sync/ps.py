@@ -33,7 +33,11 @@ class PSSyncer(Syncer):
 
     def start(self, bucket: Bucket, clock: int) -> asyncio.Future:
         ids = [self._index[i] for i in bucket.params]
-        push = self._client.push(ids, bucket.grads, bucket.outs, clock, bucket.priority)
+        push = None
+        if bucket.flat is not None:
+            push = self._client.push_flat(ids, *bucket.flat, clock, bucket.priority)
+        if push is None:
+            push = self._client.push(ids, bucket.grads, bucket.outs, clock, bucket.priority)
         return _result_of(push)
 
 

@@ -21,6 +21,7 @@ import torch
 from ..errors import ConfigError
 from ..plan import Mode, Scheme
 from ..sync import Bucket, Merging, syncer_class
+from .groups import FlatGroups
 from .handoff import Handoff
 from .layers import FactorCapture, GradReady, Layer, TokenCount
 from .staging import Staging
@@ -92,6 +93,7 @@ class Dispatch:
         self.staging = staging
         self.gpu = any(staging.staged(p) for layer in layers for _, p in layer.params)
         self.aggregates = aggregates
+        self.flat = FlatGroups(aggregates)
         self.reduce = reduce
         self.plan: Optional[SchemePlan] = None
         self.syncers: dict = {}  # Scheme -> Syncer (a mergeable one wrapped in Merging)
@@ -105,17 +107,23 @@ class Dispatch:
             layer.index: FactorCapture(layer, self._on_ready_threadsafe) for layer in layers if layer.factorable
         }
         self._tokens: list = []  # the planning step's token counts (embeddings)
+        self._arming: list = []
         self.accumulating = False  # inside no_sync(): backward passes report nothing
         self._forward_end = model.register_forward_hook(self._forwarded)
 
     def route(self, plan: SchemePlan, syncers: dict) -> None:
         """Send the layers by ``plan`` through ``syncers``, from the next step."""
         self.plan, self.syncers = plan, syncers
+        # What arm() sets each step: (the layer's gradient hooks, its factor capture, whether it sends factors).
+        self._arming = [
+            (self.ready[layer.index], self.captures.get(layer.index), plan.captures(layer)) for layer in self.layers
+        ]
         wake_with = {}
         for syncer in syncers.values():
             if isinstance(syncer, Merging):
                 wake_with.update((i, tuple(g)) for g in syncer.groups if len(g) > 1 for i in g)
         self._wake_with = wake_with  # read by the backward's hooks: replaced whole, never edited
+        self.flat.clear()  # the old plan's groups' buffers
 
     def arm(self, state: StepState) -> None:
         """Get the hooks ready for ``state``'s backward: gradients or factors, by scheme.
@@ -134,11 +142,10 @@ class Dispatch:
                     self.captures[layer.index].reset(enabled=True, alongside=True)
             self._tokens = [TokenCount(layer) for layer in self.layers if layer.row_sparse]
         else:
-            for layer in self.layers:
-                captures = self.plan.captures(layer)
-                self.ready[layer.index].reset(enabled=not captures)
-                if layer.index in self.captures:
-                    self.captures[layer.index].reset(enabled=captures)
+            for ready, capture, captures in self._arming:
+                ready.reset(enabled=not captures)
+                if capture is not None:
+                    capture.reset(enabled=captures)
         self.state = state
 
     @contextlib.contextmanager
@@ -177,6 +184,7 @@ class Dispatch:
             hook.remove()
         self.ready.clear()
         self.captures.clear()
+        self._arming = []
 
     # -- on the compute thread --------------------------------------------------------------
 
@@ -220,8 +228,8 @@ class Dispatch:
 
     def _launch_held(self, state: StepState, held: list) -> None:
         """A merge group whose layers are all in: one bucket, one sync, one span (a future and a
-        callback per layer would cost the loop more). A GPU's buckets are staged off the loop,
-        one layer at a time."""
+        callback per layer would cost the loop more). On CPU the bucket is one buffer
+        (:class:`FlatGroups`); a GPU's buckets are staged off the loop, one layer at a time."""
         scheme = self.plan.schemes[held[0][0].index]
         syncer = self.syncers.get(scheme)
         if self.gpu or not isinstance(syncer, Merging) or any(layer.index in state.launched for layer, _ in held):
@@ -231,17 +239,16 @@ class Dispatch:
         for layer, ready_at in held:
             state.launched.add(layer.index)
             state.ready_at[layer.index] = ready_at
-        first, last = min(layer.index for layer, _ in held), max(layer.index for layer, _ in held)
-        label = f"{self.layers[last].name}..{self.layers[first].name}"
-        span = Span(label, scheme, max(r for _, r in held), time.perf_counter())
-        ids = [i for layer, _ in held for i in layer.param_ids]
-        self._start(
-            state,
-            scheme,
-            span,
-            lambda: syncer.start_group([self._bucket(state, layer, scheme) for layer, _ in held], state.clock),
-            ids,
-        )
+        layers = [self.layers[i] for i in sorted(layer.index for layer, _ in held)]
+        span = Span(f"{layers[-1].name}..{layers[0].name}", scheme, max(r for _, r in held), time.perf_counter())
+
+        def start() -> asyncio.Future:
+            flat = self.flat.bucket(state, layers)
+            if flat is not None:
+                return syncer.start_merged(flat, state.clock)
+            return syncer.start_group([self._bucket(state, layer, scheme) for layer in layers], state.clock)
+
+        self._start(state, scheme, span, start, [i for layer in layers for i in layer.param_ids])
 
     def _launch(self, state: StepState, layer: Layer, ready_at: Optional[float] = None) -> None:
         if layer.index in state.launched:
