@@ -464,9 +464,16 @@ def main(argv=None) -> dict:
                         else "dropped for one message per layer"
                     )
                     tried = ", ".join(f"{name} {ms * 1e3:.1f}" for name, ms in trial.get("tried", {}).items())
+                    cpu = ""
+                    if trial.get("trials_cpu_s"):  # the job's CPU a step, and the noise the verdict allowed
+                        each = ", ".join(f"{c * 1e3:.1f}" if c else "?" for c in trial["trials_cpu_s"])
+                        cpu = (
+                            f"; CPU ms a step {each} against {(trial['unmerged_cpu_s'] or 0) * 1e3:.1f}, "
+                            f"noise {trial['noise_s'] * 1e3:.1f} ms, decided by {trial['by']}"
+                        )
                     print(
                         f"  its trial: ms a step {tried or trial['planned_s'] * 1e3} "
-                        f"against {trial['unmerged_s'] * 1e3:.1f} unmerged: {verdict}"
+                        f"against {trial['unmerged_s'] * 1e3:.1f} unmerged{cpu}: {verdict}"
                     )
     speedups = [r["speedup"] for r in rows if "speedup" in r]
     bounds = [r["over_bound"] for r in rows if "over_bound" in r]

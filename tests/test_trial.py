@@ -12,18 +12,20 @@ from poseidon_aio.sync.trial import TRANSITIONS, Due, Event, MergeTrial, Phase, 
 STEPS = 3  # MergeConfig.trial
 
 
-def _warm_up(trial: MergeTrial, times, first_clock: int = 0) -> int:
+def _warm_up(trial: MergeTrial, times, first_clock: int = 0, cpu=None) -> int:
     for clock, seconds in enumerate(times, first_clock):
-        assert trial.step_done(clock, seconds, warm=True) is Due.NOTHING
+        spent = cpu[clock - first_clock] if cpu is not None else None
+        assert trial.step_done(clock, seconds, warm=True, cpu=spent) is Due.NOTHING
     return first_clock + len(times)
 
 
-def _run_trials(trial: MergeTrial, times_per_plan, clock: int) -> list:
-    """Feed each plan's step times; returns what each trial's last step asked for."""
+def _run_trials(trial: MergeTrial, times_per_plan, clock: int, cpu_per_plan=None) -> list:
+    """Feed each plan's step times (and CPU); returns what each trial's last step asked for."""
     asked = []
     for i, times in enumerate(times_per_plan):
         for j, seconds in enumerate(times):
-            due = trial.step_done(clock, seconds, warm=False)
+            spent = cpu_per_plan[i][j] if cpu_per_plan is not None else None
+            due = trial.step_done(clock, seconds, warm=False, cpu=spent)
             clock += 1
             if j < len(times) - 1:
                 assert due is Due.NOTHING
@@ -105,9 +107,11 @@ def test_every_rank_reaches_the_same_verdict_from_the_agreed_figures(ranks, plan
     controllers = {}
     for rank in range(ranks):  # each rank its own times: the verdict is on everyone's
         trial = MergeTrial(steps)
-        clock = _warm_up(trial, data.draw(st.lists(seconds, min_size=1, max_size=4)))
+        warm = data.draw(st.lists(seconds, min_size=1, max_size=4))
+        clock = _warm_up(trial, warm, cpu=data.draw(st.lists(seconds, min_size=len(warm), max_size=len(warm))))
         trial.planned([Trial(f"p{i}", i) for i in range(plans)], clock)
-        _run_trials(trial, [data.draw(st.lists(seconds, min_size=steps, max_size=steps)) for _ in range(plans)], clock)
+        each = st.lists(seconds, min_size=steps, max_size=steps)
+        _run_trials(trial, [data.draw(each) for _ in range(plans)], clock, [data.draw(each) for _ in range(plans)])
         controllers[rank] = trial
     figures = {rank: trial.figures() for rank, trial in controllers.items()}
     shuffled = dict(reversed(list(figures.items())))  # the exchange's order is not the ranks'
@@ -117,6 +121,44 @@ def test_every_rank_reaches_the_same_verdict_from_the_agreed_figures(ranks, plan
         == (verdicts[0].kept, verdicts[0].trial.plan, verdicts[0].rebuild, verdicts[0].figures)
         for v in verdicts
     )
+
+
+WARM = [0.05, 0.010, 0.011, 0.009, 0.010]  # median 10 ms, noise (median absolute deviation) 0.5 ms
+
+
+def _verdict(plan_times, warm_cpu=None, plan_cpu=None, ranks=1):
+    figures = {}
+    for rank in range(ranks):
+        trial = MergeTrial(STEPS)
+        clock = _warm_up(trial, WARM, cpu=warm_cpu)
+        trial.planned([Trial("greedy", "A")], clock)
+        _run_trials(trial, [plan_times], clock, None if plan_cpu is None else [plan_cpu])
+        figures[rank] = trial.figures()
+    return trial.judge(figures)
+
+
+def test_a_plan_as_fast_within_the_noise_is_kept_where_it_spent_less_cpu():
+    # 10.2 ms against 10.0: slower, but within the warm-up's 0.5 ms of noise, on 5 ms of CPU a step against 8.
+    v = _verdict([0.02, 0.0102, 0.0102], warm_cpu=[0.03] + [0.008] * 4, plan_cpu=[0.02, 0.005, 0.005])
+    assert v.kept and v.trial.plan == "A" and v.figures["by"] == "cpu"
+    assert v.figures["noise_s"] == pytest.approx(0.0005)
+    assert v.figures["unmerged_cpu_s"] == pytest.approx(0.008) and v.figures["trials_cpu_s"] == [pytest.approx(0.005)]
+    # Summed over the ranks, compared alike.
+    v = _verdict([0.02, 0.0102, 0.0102], warm_cpu=[0.03] + [0.008] * 4, plan_cpu=[0.02, 0.005, 0.005], ranks=3)
+    assert v.kept and v.figures["unmerged_cpu_s"] == pytest.approx(0.024)
+    # Without CPU figures the time alone decides, as before: not kept.
+    v = _verdict([0.02, 0.0102, 0.0102])
+    assert not v.kept and v.figures["by"] == "time" and v.figures["trials_cpu_s"] is None
+    # Past the noise the time decides whatever the CPU.
+    v = _verdict([0.02, 0.0110, 0.0110], warm_cpu=[0.03] + [0.008] * 4, plan_cpu=[0.02, 0.001, 0.001])
+    assert not v.kept and v.figures["by"] == "time"
+
+
+def test_a_plan_faster_within_the_noise_that_spent_more_cpu_is_dropped():
+    v = _verdict([0.02, 0.0098, 0.0098], warm_cpu=[0.03] + [0.008] * 4, plan_cpu=[0.02, 0.012, 0.012])
+    assert not v.kept and v.figures["by"] == "cpu"
+    v = _verdict([0.02, 0.0090, 0.0090], warm_cpu=[0.03] + [0.008] * 4, plan_cpu=[0.02, 0.012, 0.012])
+    assert v.kept and v.figures["by"] == "time"  # 1 ms faster: past the noise
 
 
 def test_an_illegal_transition_names_the_event_and_the_phase():

@@ -2,7 +2,8 @@
 
 The planners' timeline is a model; on a host whose cores the workers share, what a merged message
 costs the backward it waits on is not in it. So each candidate plan runs for a few steps (its
-trial) and the job keeps the fastest one only if it beat the warm-up's one message per layer.
+trial) and the job keeps the fastest one only if it beat the warm-up's one message per layer, or,
+as fast within the noise, the one that spent the least CPU.
 
 The controller does no I/O and knows nothing of torch: the trainer feeds it step times and the
 figures every rank agreed on, and carries out what it answers (rebuild the syncers with a plan,
@@ -25,7 +26,11 @@ from typing import Any, Mapping, Optional, Sequence
 from ..errors import LocalProtocolError
 
 
-def judge_trial(warm: Mapping[int, Sequence[float]], *trials: Mapping[int, Sequence[float]]) -> dict:
+def judge_trial(
+    warm: Mapping[int, Sequence[float]],
+    *trials: Mapping[int, Sequence[float]],
+    cpu: Optional[Sequence[Mapping[int, Sequence[float]]]] = None,
+) -> dict:
     """Which merge plan to keep, if any, from every rank's step times (seconds) in the warm-up
     (one message per layer) and in each plan's trial: the same answer on every rank given the
     same figures.
@@ -38,27 +43,58 @@ def judge_trial(warm: Mapping[int, Sequence[float]], *trials: Mapping[int, Seque
     A step ends for the job when its slowest rank's does, so each step counts at its slowest
     rank; each phase's first step is left out where it has others (the warm-up's first starts
     the parameter server and faults buffers in, a trial's first starts the plan's). The fastest
-    trial (the first of equals) is kept if it beat the warm-up.
-    Returns ``{"kept", "best", "unmerged_s", "planned_s", "trials_s"}``: whether a plan is kept,
-    the index of the fastest trial, the medians compared, and every trial's median.
+    phase is kept, unless others are as fast within the noise: the warm-up steps' median
+    absolute deviation from their median (a trial of a few steps cannot tell a 1 % difference
+    from the host's jitter, and took the plan one way or the other by chance). Of those, the one
+    whose ranks spent the least CPU a step wins (``cpu``: every rank's CPU seconds a step, the
+    warm-up's then each trial's): where cores are shared that CPU is another rank's time.
+    Returns ``{"kept", "best", "unmerged_s", "planned_s", "trials_s", "noise_s", "unmerged_cpu_s",
+    "trials_cpu_s", "by"}``: whether a plan is kept, the index of the kept (else the fastest)
+    trial, the medians compared, the noise, the job's CPU a step of each, and ``"time"`` or
+    ``"cpu"``: what decided.
     """
 
-    def job_median(times: Mapping[int, Sequence[float]]) -> float:
+    def job_steps(times: Mapping[int, Sequence[float]]) -> list:
         steps = [max(ts) for ts in zip(*times.values())]
-        steps = steps[1:] if len(steps) > 1 else steps
+        return steps[1:] if len(steps) > 1 else steps
+
+    def job_median(times: Mapping[int, Sequence[float]]) -> float:
+        steps = job_steps(times)
         return float(statistics.median(steps)) if steps else float("inf")
+
+    def job_cpu(per_rank: Mapping[int, Sequence[float]]) -> float:
+        # The job's CPU a step: every rank's median (its first step left out), summed.
+        # (summed in rank order: every rank adds the same floats the same way)
+        medians = [statistics.median(c[1:] if len(c) > 1 else c) for _, c in sorted(per_rank.items()) if c]
+        return float(sum(medians)) if medians and len(medians) == len(per_rank) else float("inf")
 
     if not trials:
         raise ValueError("judge_trial needs one trial or more")
     unmerged = job_median(warm)
     medians = [job_median(trial) for trial in trials]
-    best = min(range(len(medians)), key=lambda i: (medians[i], i))
+    steps = job_steps(warm)
+    noise = float(statistics.median(abs(s - unmerged) for s in steps)) if len(steps) > 1 else 0.0
+    cpus = [job_cpu(c) for c in cpu] if cpu is not None and len(cpu) == len(trials) + 1 else []
+    cpus = cpus if all(c < float("inf") for c in cpus) else []  # a rank without figures: time alone
+    fastest = min(range(len(medians)), key=lambda i: (medians[i], i))
+    # Phase 0 is the warm-up, then the trials in order: the fastest (the warm-up on a tie) ...
+    phases = [unmerged, *medians]
+    chosen = fastest + 1 if medians[fastest] < unmerged else 0
+    if cpus:
+        # ... or, of those as fast within the noise, the one that spent the least CPU.
+        ties = [i for i, t in enumerate(phases) if t <= phases[chosen] + noise]
+        chosen = min(ties, key=lambda i: (cpus[i], phases[i], i))
+    by = "time" if phases[chosen] == min(phases) else "cpu"
     return {
-        "kept": medians[best] < unmerged,
-        "best": best,
+        "kept": chosen != 0,
+        "best": chosen - 1 if chosen else fastest,
         "unmerged_s": unmerged,
-        "planned_s": medians[best],
+        "planned_s": medians[chosen - 1 if chosen else fastest],
         "trials_s": medians,
+        "noise_s": noise,
+        "unmerged_cpu_s": cpus[0] if cpus else None,
+        "trials_cpu_s": cpus[1:] if cpus else None,
+        "by": by,
     }
 
 
@@ -101,6 +137,7 @@ class Trial:
     planner: str
     plan: Any
     times: list = field(default_factory=list)
+    cpu: list = field(default_factory=list)  # this rank's CPU seconds each step
 
 
 @dataclass
@@ -157,6 +194,7 @@ class MergeTrial:
         self.steps = steps
         self.phase = Phase.MEASURING
         self.warm: list = []  # this rank's step seconds with one message per layer
+        self.warm_cpu: list = []  # and its CPU seconds each of those steps
         self.trials: list = []
         self.at = 0  # the trial running now
         self.since: Optional[int] = None  # the clock of its first step
@@ -165,12 +203,17 @@ class MergeTrial:
     def running(self) -> Trial:
         return self.trials[self.at]
 
-    def step_done(self, clock: int, seconds: float, warm: bool) -> Due:
-        """Record step ``clock``'s time (``warm``: a measured step of the warm-up)."""
+    def step_done(self, clock: int, seconds: float, warm: bool, cpu: Optional[float] = None) -> Due:
+        """Record step ``clock``'s time and this rank's CPU seconds in it (``warm``: a measured
+        step of the warm-up)."""
         if self.phase is Phase.MEASURING and warm:
             self.warm.append(seconds)
+            if cpu is not None:
+                self.warm_cpu.append(cpu)
         elif self.phase is Phase.TRYING:
             self.running.times.append(seconds)
+            if cpu is not None:
+                self.running.cpu.append(cpu)
             if clock == self.since + self.steps - 1:
                 return Due.NEXT_TRIAL if self.at + 1 < len(self.trials) else Due.JUDGMENT
         return Due.NOTHING
@@ -180,7 +223,7 @@ class MergeTrial:
         ``None`` where there is nothing to try and the agreed plan stays in force."""
         if not trials:
             self._move(Event.UNTRIED)
-            self.warm = []
+            self.warm, self.warm_cpu = [], []
             return None
         self._move(Event.PLANNED)
         self.trials, self.at, self.since = list(trials), 0, clock
@@ -194,23 +237,32 @@ class MergeTrial:
         return self.running.plan
 
     def figures(self) -> dict:
-        """This rank's step times, for every rank to judge on (plain JSON)."""
+        """This rank's step times and CPU, for every rank to judge on (plain JSON)."""
         if self.phase is Phase.TRYING:
             self._move(Event.LAST_TRIED)
-        return {"warm": list(self.warm), "trials": [list(t.times) for t in self.trials]}
+        return {
+            "warm": list(self.warm),
+            "trials": [list(t.times) for t in self.trials],
+            "warm_cpu": list(self.warm_cpu),
+            "trials_cpu": [list(t.cpu) for t in self.trials],
+        }
 
     def judge(self, figures: Mapping[int, Mapping]) -> Verdict:
         """The verdict from every rank's :meth:`figures` (the same on every rank)."""
         self._move(Event.JUDGED)
+        n = range(len(self.trials))
+        cpu = [{r: f.get("warm_cpu", []) for r, f in figures.items()}]
+        cpu += [{r: f.get("trials_cpu", [[]] * len(n))[i] for r, f in figures.items()} for i in n]
         found = judge_trial(
             {r: f["warm"] for r, f in figures.items()},
-            *({r: f["trials"][i] for r, f in figures.items()} for i in range(len(self.trials))),
+            *({r: f["trials"][i] for r, f in figures.items()} for i in n),
+            cpu=cpu,
         )
         trial = self.trials[found["best"]]
         found["planner"] = trial.planner
         found["tried"] = {t.planner: s for t, s in zip(self.trials, found["trials_s"])}
         rebuild = not found["kept"] or found["best"] != len(self.trials) - 1
-        self.warm, self.since = [], None
+        self.warm, self.warm_cpu, self.since = [], [], None
         return Verdict(found["kept"], trial, rebuild, found)
 
     def _move(self, event: Event) -> None:

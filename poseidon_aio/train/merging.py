@@ -50,6 +50,7 @@ class MergeTuning:
         self.trial = MergeTrial(settings.merge.trial)
         self._measuring = False
         self._loop_cpu = self._loop_waited = 0.0
+        self._cpu_at = time.process_time()  # this rank's CPU (every thread) at the last step's end
 
     def start(self, saved: dict) -> None:
         """Measure the schemes with more than one layer whose plan no checkpoint ``saved``."""
@@ -73,7 +74,8 @@ class MergeTuning:
         next trial or judge where that is due."""
         if state.clock < self.first_clock:
             return
-        due = self.trial.step_done(state.clock, state.done - state.started, warm=self._measuring)
+        cpu, self._cpu_at = time.process_time() - self._cpu_at, time.process_time()
+        due = self.trial.step_done(state.clock, state.done - state.started, warm=self._measuring, cpu=cpu)
         if self._measuring:
             self._record(state, time.thread_time() - self._loop_cpu, runqueue_wait() - self._loop_waited)
             if any(r.due(state.clock) for r in self.runtimes.values()):
@@ -154,9 +156,10 @@ class MergeTuning:
         return [sorted(by_name[n] for n in group) for group in groups]
 
     async def _judge(self) -> None:
-        """Every rank's step times go round and each rank reaches the same verdict: the fastest
-        plan if it made the step faster than the warm-up's one message per layer, otherwise one
-        message per layer."""
+        """Every rank's step times and CPU go round and each rank reaches the same verdict
+        (:func:`~poseidon_aio.sync.trial.judge_trial`): the fastest plan if it made the step
+        faster than the warm-up's one message per layer, or of those as fast within the noise the
+        one that spent the least CPU; otherwise one message per layer."""
         p = self.planning
         mine = json.dumps(self.trial.figures())
         seen = await p.job.rendezvous.exchange(f"merge-trial/{p.generation}", mine, range(p.world))
@@ -170,11 +173,12 @@ class MergeTuning:
                 await self.rebuild(plan)
             self._set_info(infos, trial=figures)
             log.info(
-                "rank %d: merge plan (%s) kept: %.1f ms a step against %.1f unmerged",
+                "rank %d: merge plan (%s) kept: %.1f ms a step against %.1f unmerged%s",
                 p.rank,
                 planner,
                 figures["planned_s"] * 1e3,
                 figures["unmerged_s"] * 1e3,
+                _by_cpu(figures, figures["trials_cpu_s"][figures["best"]] if figures["trials_cpu_s"] else None),
             )
             return
         await self.rebuild(p.unmerged())
@@ -185,12 +189,13 @@ class MergeTuning:
             )
         self._set_info(infos, trial=figures)
         log.warning(
-            "rank %d: the fastest merge plan (%s) ran %.1f ms a step against %.1f with one message per layer; "
+            "rank %d: the fastest merge plan (%s) ran %.1f ms a step against %.1f with one message per layer%s; "
             "back to one per layer",
             p.rank,
             planner,
             figures["planned_s"] * 1e3,
             figures["unmerged_s"] * 1e3,
+            _by_cpu(figures, figures["unmerged_cpu_s"]),
         )
 
     def _set_info(self, infos: dict, **extra) -> None:
@@ -198,6 +203,19 @@ class MergeTuning:
         # the PS plan); every scheme's is kept under its name.
         lead = max(infos, key=lambda name: len(infos[name]["groups"]), default=None)
         self.info = {**(infos[lead] if lead else {}), "schemes": infos, **extra}
+
+
+def _by_cpu(figures: dict, cpu) -> str:
+    """The log line's reason where the CPU decided the verdict (``cpu``: the kept phase's), else ``""``."""
+    if figures.get("by") != "cpu" or cpu is None:
+        return ""
+    others = [c for c in (figures["unmerged_cpu_s"], *figures["trials_cpu_s"]) if c is not None and c != cpu]
+    return (
+        f" (as fast within the noise, {figures['noise_s'] * 1e3:.1f} ms; the job's CPU {cpu * 1e3:.1f} ms a step "
+        f"against {min(others) * 1e3:.1f})"
+        if others
+        else ""
+    )
 
 
 def runqueue_wait() -> float:
