@@ -25,6 +25,19 @@ async def test_a_coroutine_runs_on_the_thread_s_loop_of_the_caller_s_kind_and_re
     assert thread.loop.is_closed()
 
 
+async def test_init_runs_on_the_thread_before_any_coroutine():
+    ran = []
+    thread = LoopThread(init=lambda: ran.append(threading.current_thread().name))
+    try:
+
+        async def seen():
+            return list(ran)
+
+        assert await thread.run(seen()) == ["poseidon-loop"]
+    finally:
+        await thread.close()
+
+
 async def test_an_exception_there_is_raised_here():
     thread = LoopThread()
     try:

@@ -169,11 +169,13 @@ class LoopThread:
     >>> # thread = LoopThread(); result = await thread.run(coro()); await thread.close()
     """
 
-    def __init__(self, name: str = "poseidon-loop") -> None:
+    def __init__(self, name: str = "poseidon-loop", init: Optional[Callable[[], None]] = None) -> None:
         caller = asyncio.get_running_loop()
         self.loop = uvloop.new_event_loop() if is_uvloop(caller) else asyncio.new_event_loop()
         self.loop.set_debug(caller.get_debug())
         self.loop.set_exception_handler(functools.partial(_forward_to, caller))
+        if init is not None:  # the thread's own settings, before anything else runs there
+            self.loop.call_soon(init)
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 

@@ -182,7 +182,7 @@ class Trainer:
         """
         if self._thread is not None:
             raise ConfigError("this trainer has already started")
-        self._thread = LoopThread()
+        self._thread = LoopThread(init=_as_caller(torch.get_num_threads()))
         try:
             await self._thread.run(self._start())
         except BaseException:
@@ -210,7 +210,7 @@ class Trainer:
             s.net = config_from_env()  # before anything waits: a missing token fails at once
         # A new thread has no current CUDA device: give ours the model's before their first kernel.
         device = next((p.device for _, p in self._named if p.is_cuda), None)
-        init = None if device is None else functools.partial(torch.cuda.set_device, device)
+        init = _as_caller(torch.get_num_threads(), device)
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poseidon-compute", initializer=init)
         self._reduce = ThreadPoolExecutor(max_workers=1, thread_name_prefix="poseidon-reconstruct", initializer=init)
         shaper = Shaper.from_config(s.net.bandwidth) if s.net.bandwidth is not None else None
@@ -679,3 +679,17 @@ class Trainer:
     def compression_plan(self) -> dict:
         """The lossy plan: ``{layer name: Weighing}`` (candidates, predicted seconds, choice, why)."""
         return self._planning.compression_plan if self._planning is not None else {}
+
+
+def _as_caller(threads: int, device: Optional[torch.device] = None) -> Callable[[], None]:
+    """What a thread of ours sets before its first kernel: the caller's intra-op threads (OpenMP
+    keeps them per thread: a new one would run each GEMM on every core, spinning beside the other
+    workers; bench/RESULTS.md, "Training step against DDP"), and the model's CUDA device (a new
+    thread has none)."""
+
+    def init() -> None:
+        torch.set_num_threads(threads)
+        if device is not None:
+            torch.cuda.set_device(device)
+
+    return init
