@@ -227,6 +227,10 @@ def test_a_merge_plan_is_kept_only_if_the_slowest_ranks_step_got_faster():
         "unmerged_s": pytest.approx(0.0475),
         "planned_s": pytest.approx(0.0385),
         "trials_s": [pytest.approx(0.0385)],
+        "noise_s": pytest.approx(0.0025),  # the warm-up steps' median absolute deviation
+        "unmerged_cpu_s": None,  # no CPU figures: the time alone decides
+        "trials_cpu_s": None,
+        "by": "time",
     }
     assert judge_trial(warm, slower)["kept"] is False
     assert judge_trial(warm, warm)["kept"] is False  # no gain, no merge: one message per layer stays
