@@ -300,8 +300,7 @@ class PSClient:
                     raise LocalProtocolError(
                         f"message {m.id} also carries {other}: push its whole merge group together"
                     )
-        server = self.config.server_sgd is not None
-        reply_kind, reply_clock = (Kind.PARAMS, clock + 1) if server else (Kind.AGGREGATE, clock)
+        reply_kind, reply_clock = self._reply_of(clock)
         op = _Sync(self, messages, clock, f"replies for clock {clock}")
         for m in messages:
             conn = self._conns[m.shard]
@@ -332,8 +331,7 @@ class PSClient:
                     f"rank {self.rank}: the {name} of {first} to {last} are one buffer of {list(a.shape)} "
                     f"{a.dtype}; the manifest says [{size}] {dtype}, C-contiguous"
                 )
-        server = self.config.server_sgd is not None
-        reply_kind, reply_clock = (Kind.PARAMS, clock + 1) if server else (Kind.AGGREGATE, clock)
+        reply_kind, reply_clock = self._reply_of(clock)
         op = _Sync(self, self.book.messages_of_params(params), clock, f"replies for clock {clock}")
         for m, lo, hi in runs:
             conn = self._conns[m.shard]
@@ -379,8 +377,7 @@ class PSClient:
         """Push ``payload`` (arrays, gathered) as ``message`` for ``clock``, its host's sum where
         hosts push once each (:meth:`InformationBook.pushers`); the reply lands in ``out`` (the
         message's slices). A future of the :class:`PushResult`, as :meth:`push`'s."""
-        server = self.config.server_sgd is not None
-        reply_kind, reply_clock = (Kind.PARAMS, clock + 1) if server else (Kind.AGGREGATE, clock)
+        reply_kind, reply_clock = self._reply_of(clock)
         conn = self._conns[message.shard]
         op = _Sync(self, (message,), clock, f"replies for clock {clock}")
         op.expect(conn, reply_kind, message.id, reply_clock, out)
@@ -438,6 +435,13 @@ class PSClient:
             u.nbytes + v.nbytes,
         )
         return op.started()
+
+    def _reply_of(self, clock: int) -> tuple:
+        """``(kind, clock)`` of the shards' reply to a push of ``clock``: the mean, or with
+        server-side SGD the parameters of the next clock."""
+        if self.config.server_sgd is not None:
+            return Kind.PARAMS, clock + 1
+        return Kind.AGGREGATE, clock
 
     def _flat(self, params: Sequence[int], arrays: Sequence[np.ndarray]) -> dict:
         """``{manifest index: flattened view}``, each array checked against the manifest."""

@@ -17,7 +17,7 @@ import torch
 from ..sync import Bucket
 from ..wire.spans import spanning
 from .layers import Layer
-from .step import Aggregates, StepState
+from .step import Aggregates, StepState, carved
 
 
 class _Group:
@@ -28,10 +28,7 @@ class _Group:
     def __init__(self, layers: Sequence[Layer], send: torch.Tensor, outs: list, out_flat) -> None:
         self.params = [p for layer in layers for _, p in layer.params]
         self.ids = [i for layer in layers for i in layer.param_ids]
-        self.views, at = [], 0
-        for p in self.params:
-            self.views.append(send[at : at + p.numel()].view(p.shape))
-            at += p.numel()
+        self.views = carved(send, self.params)
         self.grads = [v.numpy() for v in self.views]
         self.outs = outs
         self.flat = (send.numpy(), out_flat)

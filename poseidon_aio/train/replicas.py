@@ -11,6 +11,7 @@ import torch
 from ..sync import broadcast
 from ..wire import Kind
 from .staging import Staging
+from .step import carved
 
 
 class Replicas:
@@ -36,7 +37,7 @@ class Replicas:
         the buffers at the end of step ``clock``."""
         if self.world == 1:
             return
-        if clock is not None and self._flat_groups(tensors) is not None:
+        if clock is not None and self._groups_for(tensors) is not None:
             await self._buffers_flat(clock)
             return
         role = "params" if clock is None else "buffers"
@@ -55,7 +56,7 @@ class Replicas:
                 self.staging.to_device(slot, d)
             self.staging.wait()
 
-    def _flat_groups(self, tensors: list) -> Optional[list]:
+    def _groups_for(self, tensors: list) -> Optional[list]:
         """The groups of :func:`_flat_groups` for ``tensors``, made once for the same tensors;
         ``None`` where some are staged (a GPU's)."""
         flats = self._flats
@@ -96,9 +97,5 @@ def _flat_groups(tensors: list) -> list:
     groups = []
     for dtype, members in by_dtype.items():
         flat = torch.empty(sum(t.numel() for t in members), dtype=dtype)
-        views, at = [], 0
-        for t in members:
-            views.append(flat[at : at + t.numel()].view(t.shape))
-            at += t.numel()
-        groups.append((members, views, flat.numpy()))
+        groups.append((members, carved(flat, members), flat.numpy()))
     return groups

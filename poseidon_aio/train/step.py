@@ -155,6 +155,15 @@ class Aggregates:
         self.staging.to_device(("agg", self.slot(state.clock), i), state.agg[i])
 
 
+def carved(flat: torch.Tensor, tensors: list) -> list:
+    """Views of the 1-D ``flat``, back to back from its start, each shaped like one of ``tensors``."""
+    views, at = [], 0
+    for t in tensors:
+        views.append(flat[at : at + t.numel()].view(t.shape))
+        at += t.numel()
+    return views
+
+
 def back_to_back(params: list) -> dict:
     """``{i: tensor}`` shaped like ``params[i]``: views of one contiguous buffer per (device,
     dtype), in the given order."""
