@@ -123,6 +123,57 @@ def test_a_layers_messages_and_slices_cover_it_exactly_however_often_asked(shape
             assert np.array_equal(covered, flat[i].astype(np.int64))  # every element once, in order
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    shape_list=st.lists(st.lists(st.integers(1, 300), min_size=1, max_size=2).map(tuple), min_size=2, max_size=20),
+    cuts=st.lists(st.booleans(), min_size=20, max_size=20),
+    shards=st.integers(1, 6),
+    chunk=st.sampled_from([4096, 65536, 2 << 20]),
+)
+def test_a_small_layer_is_one_message_and_the_shards_stay_balanced(shape_list, cuts, shards, chunk):
+    m = manifest(shape_list)
+    assume(m.total_bytes >= shards * 4 * 20)  # splittable, as the 5 % test assumes
+    layers, current = [], [m[0].name]
+    for spec, cut in zip(list(m)[1:], cuts):  # consecutive parameters, cut into layers at random
+        if cut:
+            layers.append(current)
+            current = []
+        current.append(spec.name)
+    layers.append(current)
+    plain = InformationBook(m, workers=2, shards=shards, chunk_bytes=chunk)
+    book = InformationBook(m, workers=2, shards=shards, chunk_bytes=chunk, layers=layers)
+    small = [names for names in layers if len(names) > 1 and sum(m[m.index(n)].nbytes for n in names) <= chunk]
+    assert book.layers == tuple(tuple(names) for names in small)
+    assert book.max_over_mean() <= 1.05 + 4 * shards / m.total_bytes  # as balanced as without layers
+    # Every element in exactly one pair; messages on their keys' shard, none over the chunk.
+    for index, spec in enumerate(m):
+        pairs = [p for p in book.pairs if p.param == index]
+        assert [p.offset for p in pairs] == list(np.cumsum([0] + [p.numel for p in pairs])[:-1])
+        assert sum(p.numel for p in pairs) == spec.numel
+    assert sorted(k for msg in book.messages for k in msg.keys) == list(range(len(book.pairs)))
+    assert all(book.pairs[k].shard == msg.shard for msg in book.messages for k in msg.keys)
+    assert all(msg.nbytes <= chunk or len(msg.keys) == 1 for msg in book.messages)
+    # A small layer travels in one message, two where a split evened the shards out (at most
+    # P2 - 1 splits in all); every other parameter as without layers.
+    per_layer = [len(book.messages_of_params([m.index(n) for n in names])) for names in small]
+    assert all(n >= 1 for n in per_layer) and sum(per_layer) <= len(small) + shards - 1
+    assert len(book.messages) <= len(plain.messages) - sum(len(names) - 1 for names in small) + shards - 1
+
+
+def test_a_layer_over_a_chunk_or_in_a_group_is_placed_as_without_layers():
+    m = manifest([(600, 1000), (600,), (10, 10), (10,), (4, 4), (4,)])
+    layers = [
+        ["layer0.weight", "layer1.weight"],
+        ["layer2.weight", "layer3.weight"],
+        ["layer4.weight", "layer5.weight"],
+    ]
+    groups = [["layer2.weight", "layer3.weight"]]
+    book = InformationBook(m, workers=2, shards=2, groups=groups, layers=layers)
+    assert book.layers == (("layer4.weight", "layer5.weight"),)  # 2.4 MB over the chunk; a merge group
+    assert len(book.messages_of_params([4, 5])) == 1
+    assert len(book.messages_of_params([0])) == len(book.keys_of("layer0.weight"))
+
+
 def test_merge_groups_pack_small_layers_per_shard():
     m = manifest([(8,)] * 6)
     solo = InformationBook(m, workers=2, shards=2)

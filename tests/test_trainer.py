@@ -292,6 +292,9 @@ def test_merged_and_unmerged_syncs_give_bitwise_equal_results_and_one_plan_every
             ), f"{label} on rank {r}"
         assert len(res[0][label]["groups"]) == 1, label
     assert len(res[0]["single"]["groups"]) == 1
+    # Unmerged, each layer's weight and bias travel in one message (two where a split evens out
+    # the 3 shards): 5 layers, 10 parameters.
+    assert 5 <= res[0]["wfbp"]["messages"] <= 5 + 2
     # The model's ~1 KB in one group: on one shard by default (under two runs of 64 KiB), on all
     # three within an item of each other when spread.
     assert sorted(res[0]["single"]["shard_bytes"])[:2] == [0, 0]

@@ -13,7 +13,10 @@ most P2 - 1 more pairs. Stock TensorFlow's one-tensor-per-shard round robin
 (``placement="tensor"``) is kept for comparison: it puts a 400 MB FC weight on one shard.
 
 Messages: what travels in one frame. A message carries keys of one shard, packed in key order up
-to ``chunk_bytes``; by default every parameter is its own group, so a message is one key. A group
+to ``chunk_bytes``; by default every parameter is its own group, so a message is one key. A layer
+whose parameters together fit in a chunk (``layers``: a weight and its bias, a norm's scale and
+shift) is placed as one unit, so it travels as one message (two where balancing the shards splits
+it): every message is a frame each way and a sum on the shard, whatever its size. A group
 of several parameters (the MG-WFBP merge plan) is cut into one run of keys per shard, of nearly
 equal bytes, before anything else is placed: it travels as one message per shard (a reduce-
 scatter's shape), so merging saves the frames of its small layers and its bytes still use every
@@ -117,6 +120,9 @@ class InformationBook:
             parameters in no group form a group of their own.
         placement: ``"balanced"`` (LPT over ~2 MiB pairs, the default) or ``"tensor"`` (one
             whole tensor per shard, round robin: stock TensorFlow's placement, for comparison).
+        layers: parameters of one layer (names, consecutive in the manifest) that travel in one
+            message: placed together, never spread; a layer of over ``chunk_bytes`` in all is
+            placed key by key, as a parameter of its own is.
         factored: fully-connected layers synced by the Project-Adam scheme, ``[weight, bias]``
             names each: their keys all live on one shard, which rebuilds the matrix from the
             workers' sufficient factors (a FACTORS frame keyed by the layer's first message).
@@ -139,6 +145,7 @@ class InformationBook:
         shards: int,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         groups: Optional[Sequence[Sequence[str]]] = None,
+        layers: Optional[Sequence[Sequence[str]]] = None,
         placement: str = "balanced",
         factored: Optional[Sequence[Sequence[str]]] = None,
         spread_bytes: int = SPREAD_MIN_BYTES,
@@ -174,11 +181,14 @@ class InformationBook:
                     "must be a float32 MxN weight and an M bias"
                 )
         self._run_starts: set = set()  # (param, offset) where a run of a spread merge group begins
-        self.groups = self._groups(
-            list(groups or ()) + [[self.manifest[i].name for i in layer] for layer in self.factored]
-        )
+        factored_names = [[self.manifest[i].name for i in layer] for layer in self.factored]
+        grouped = {n for group in [*(groups or ()), *factored_names] for n in group}
+        self.layers = self._small_layers(layers, grouped)
+        self.groups = self._groups(list(groups or ()) + factored_names + list(self.layers))
         self._group_index = {p: g for g, params in enumerate(self.groups) if len(params) > 1 for p in params}
         self._whole = {p for layer in self.factored for p in layer}
+        # Placed as one unit, keys together: factored layers (never split) and small layers.
+        self._together = self._whole | {self.manifest.index(n) for layer in self.layers for n in layer}
         self.pairs = self._partition()
         self._by_param: dict = {}
         for pair in self.pairs:
@@ -218,20 +228,20 @@ class InformationBook:
         # A merge group is spread first, evenly over the shards (see _spread); the other keys are
         # then placed around it: the small keys of a factored layer go to one shard together (one
         # shard rebuilds it), every other key is a unit of its own. LPT over the units.
-        merged = {p for p in self._group_index if p not in self._whole}
+        merged = {p for p in self._group_index if p not in self._together}
         placed, load = self._spread([c for c in cuts if c[0] in merged])
         rest = [c for c in cuts if c[0] not in merged]
         units, current, size, owner = [], [], 0, None
         for key, (param, _, _, nbytes) in enumerate(rest):
             group = self._group_index.get(param, ("solo", param))
-            if param in self._whole and current and group == owner:
+            if param in self._together and current and group == owner:
                 current.append(key)
                 size += nbytes
                 continue
             if current:
                 units.append((current, size))
                 current, size = [], 0
-            if param not in self._whole:
+            if param not in self._together:
                 units.append(([key], nbytes))
                 continue
             current.append(key)
@@ -357,6 +367,18 @@ class InformationBook:
                 return taken, [len(pieces) - 1, *keys[i + 1 :]]
             return taken, list(keys[i:])
         return taken, []
+
+    def _small_layers(self, layers: Optional[Sequence[Sequence[str]]], grouped: set) -> tuple:
+        """The ``layers`` of several parameters and at most ``chunk_bytes`` in all (one message's
+        worth); those in a merge group or factored are left out (their group places them)."""
+        out = []
+        for names in layers or ():
+            names = tuple(names)
+            if len(names) < 2 or grouped.intersection(names):
+                continue
+            if sum(self.manifest[self.manifest.index(n)].nbytes for n in names) <= self.chunk_bytes:
+                out.append(names)
+        return tuple(out)
 
     def _groups(self, groups: Optional[Sequence[Sequence[str]]]) -> tuple:
         assigned: dict = {}

@@ -88,6 +88,7 @@ class PSNode:
         self._listener = None
         self._shaper = None
         self._factored: list = []
+        self._layers: list = []
         self._given_state: Optional[dict] = None
 
     @classmethod
@@ -99,6 +100,7 @@ class PSNode:
         env: Optional[ClusterEnv] = None,
         net: Optional[NetConfig] = None,
         groups: Optional[Sequence[Sequence[str]]] = None,
+        layers: Optional[Sequence[Sequence[str]]] = None,
         start_clock: int = 0,
         rendezvous: Optional[Rendezvous] = None,
         process_shaper=None,
@@ -117,6 +119,7 @@ class PSNode:
                 environment (``POSEIDON_TOKEN`` or ``POSEIDON_TOKEN_FILE``, see
                 :mod:`poseidon_aio.net.credentials`). Secrets never go through the store.
             groups: merge groups for the information book (MG-WFBP).
+            layers: the model's layers (parameter names each): a small one travels as one message.
             start_clock: the clock to start at, when no shard checkpoint says otherwise.
             rendezvous: an already started :class:`Rendezvous` (e.g. a ``scoped`` view, to run
                 several nodes over one store); by default the node opens its own.
@@ -148,6 +151,7 @@ class PSNode:
         self.rank = self.env.rank
         self._shaper = process_shaper
         self._factored = [list(f) for f in factored or ()]
+        self._layers = [list(layer) for layer in layers or ()]
         self._given_state = shard_state
         self._topology = topology
         try:
@@ -167,6 +171,7 @@ class PSNode:
                 "config": config.to_json(),
                 "groups": [list(g) for g in groups or ()],
                 "factored": self._factored,
+                "layers": self._layers,
                 "hosts": topology.to_json(),
             }
             await rdzv.publish("ps-setup", json.dumps(setup))
@@ -178,6 +183,7 @@ class PSNode:
             shards=shards,
             chunk_bytes=config.chunk_bytes,
             groups=groups,
+            layers=self._layers,
             placement=config.placement,
             factored=self._factored,
             spread_bytes=config.spread_bytes(),

@@ -91,6 +91,7 @@ async def _join(rdzv: Rendezvous, index: int, workers: int, net, env: ClusterEnv
         shards=config.shards,
         chunk_bytes=config.chunk_bytes,
         groups=setup["groups"] or None,
+        layers=setup.get("layers") or None,
         placement=config.placement,
         factored=setup.get("factored") or None,
         spread_bytes=config.spread_bytes(),

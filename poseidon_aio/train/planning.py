@@ -287,6 +287,7 @@ class Planning:
     async def _start_ps(self, on_ps: list, ps_index: dict, groups: list, clock: int, saved: Optional[dict]) -> None:
         names = [[n for i in g for n, _ in self.layers[i].params] for g in groups if len(g) > 1]
         factored = [[n for n, _ in layer.params] for layer in on_ps if self.plan.factored(layer)]
+        layers = [[n for n, _ in layer.params] for layer in on_ps if len(layer.params) > 1]
         manifest = Manifest.of_arrays(self.named[i] for i in sorted(ps_index, key=ps_index.get))
         config = self.settings.ps
         if names and config.group_spread_bytes is None:  # one value on every rank: rank 0's link
@@ -299,6 +300,7 @@ class Planning:
             config,
             net=self.settings.net,
             groups=names or None,
+            layers=layers,
             start_clock=clock,
             rendezvous=self.job.rendezvous.scoped(f"ps{self.generation}"),
             process_shaper=self.shaper,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import random
 import socket
 import time
 import traceback
@@ -19,10 +20,35 @@ import traceback
 JOB_TOKEN = "tests-cluster-token-0123456789abcdef"
 
 
+# Its own source: hypothesis seeds the random module's, alike in every pytest worker.
+_PORTS = random.SystemRandom()
+
+
 def free_port() -> int:
+    """A port free now, for a store a child binds later: below the kernel's ephemeral range, so
+    that no connection another test opens meanwhile takes it as its source port (bind(0) draws
+    from that range, and lost that race to a busy suite's connects: EADDRINUSE)."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = _PORTS.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return max(low, 10001)
 
 
 # What every child needs before it can run a line of a test: importing these costs 1.2-1.6 s of CPU

@@ -205,6 +205,7 @@ def train_worker(rank: int, spec: dict, seed: int, runs: list, steps: int, size:
                 )
             out[label] = {
                 "shard_bytes": book.shard_bytes() if book is not None else None,
+                "messages": len(book.messages) if book is not None else None,
                 "params": [p.detach().cpu().numpy().copy() for p in model.parameters()],
                 "schemes": stats[-1].schemes,
                 "bytes": dict(trainer.bytes_total),
