@@ -98,17 +98,65 @@ def test_a_rank_that_never_starts_ends_the_ring_in_a_timeout_that_names_step_chu
     assert "rank 0: all-reduce of fc1 at clock 7: reduce-scatter step 0 of chunk 0 from rank 2" in str(first)
 
 
+def test_a_rank_that_never_starts_ends_the_direct_all_reduce_in_a_timeout_that_names_it():
+    async def go():
+        peers = await mesh(3, 2)
+        syncers = [AllReduceSyncer(r, 3, peers[r], 0.5, 64, "direct") for r in range(3)]
+        bucket = lambda r: Bucket("fc1", [1], [0], [np.empty(96, np.float32)], grads=[np.ones(96, np.float32)])  # noqa: E731
+        # Rank 2 never starts: ranks 0 and 1 wait for its parts of the chunks they own.
+        return await asyncio.gather(*(syncers[r].start(bucket(r), 7) for r in (0, 1)), return_exceptions=True)
+
+    for rank, error in enumerate(run_async(go())):
+        assert isinstance(error, SyncTimeout), repr(error)
+        assert f"rank {rank}: all-reduce of fc1 at clock 7: the other ranks' parts from rank(s) [2]" in str(error)
+
+
+def test_a_direct_all_reduce_given_up_leaves_nothing_waiting():
+    async def go():
+        peers = await mesh(2, 3)
+        syncer = AllReduceSyncer(0, 2, peers[0], 30.0, 64, "direct")
+        sync = syncer.start(Bucket("fc3", [5], [0], [np.empty(40, np.float32)], grads=[np.ones(40, np.float32)]), 1)
+        await asyncio.sleep(0)
+        sync.cancel()
+        await asyncio.sleep(0.01)
+        waiting = list(peers[0][1]._expected)  # the receives it registered, forgotten once cancelled
+        for side in peers:
+            for conn in side.values():
+                conn.abort()
+        return sync.cancelled(), waiting
+
+    cancelled, waiting = run_async(go())
+    assert cancelled and waiting == []
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+def test_an_empty_bucket_completes_at_once(algorithm):
+    # A hierarchical all-reduce's rank whose share inside its host is empty still runs the hosts'.
+    async def go():
+        peers = await mesh(3, 4)
+        syncers = [AllReduceSyncer(r, 3, peers[r], 30.0, 64, algorithm) for r in range(3)]
+        bucket = Bucket("empty", [6], [0], [np.empty(0, np.float32)], grads=[np.empty(0, np.float32)])
+        done = await asyncio.gather(*(s.start(bucket, 0) for s in syncers))
+        for side in peers:
+            for conn in side.values():
+                conn.abort()
+        return done
+
+    assert [(d.bytes_sent, d.bytes_received) for d in run_async(go())] == [(0, 0)] * 3
+
+
 def test_an_unknown_algorithm_is_a_config_error():
     with pytest.raises(ConfigError, match="'tree'"):
         AllReduceSyncer(0, 2, {}, 1.0, 1024, "tree")
 
 
-def test_a_peer_lost_mid_ring_ends_every_chunk_in_connection_lost_not_a_hang():
+@pytest.mark.parametrize("algorithm", ["ring", "direct"])
+def test_a_peer_lost_mid_sync_ends_every_chunk_in_connection_lost_not_a_hang(algorithm):
     from poseidon_aio.errors import ConnectionLost
 
     async def go():
         peers = await mesh(3, 1)
-        syncers = [AllReduceSyncer(r, 3, peers[r], 30.0, 64, "ring") for r in range(3)]
+        syncers = [AllReduceSyncer(r, 3, peers[r], 30.0, 64, algorithm) for r in range(3)]
         bucket = lambda r: Bucket("fc2", [2], [0], [np.empty(600, np.float32)], grads=[np.ones(600, np.float32)])  # noqa: E731
         # Ranks 0 and 1 start (10 chunks each); rank 2 is gone: its links break.
         started = [syncers[r].start(bucket(r), 3) for r in (0, 1)]
@@ -123,15 +171,15 @@ def test_a_peer_lost_mid_ring_ends_every_chunk_in_connection_lost_not_a_hang():
 @settings(max_examples=60, deadline=None)
 @given(sizes=st.lists(st.integers(1, 50), min_size=1, max_size=5), data=st.data())
 def test_adding_piece_by_piece_gives_the_bits_of_adding_the_concatenation(sizes, data):
-    from poseidon_aio.sync.allreduce import _add_into, _Layout
+    from poseidon_aio.sync.slices import Layout, add_into
 
     rng = np.random.default_rng(len(sizes) * 1000 + sum(sizes))
     arrays = [rng.standard_normal(n).astype(np.float32) for n in sizes]
     total = sum(sizes)
     start = data.draw(st.integers(0, total - 1))
     stop = data.draw(st.integers(start + 1, total))
-    pieces = _Layout(tuple(sizes), 2, total).pieces(start, stop)
+    pieces = Layout(tuple(sizes), 2, total).pieces(start, stop)
     acc = rng.standard_normal(stop - start).astype(np.float32)
     expected = acc + np.concatenate(arrays)[start:stop]
-    _add_into(acc, arrays, pieces)
+    add_into(acc, arrays, pieces)
     assert acc.tobytes() == expected.tobytes()

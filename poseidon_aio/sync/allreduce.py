@@ -36,142 +36,20 @@ Frame keys: ``(first layer of the bucket) << 16 | chunk`` (direct), ``| chunk * 
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-from ..net.endpoint import silence
-from ..errors import ConfigError, SyncTimeout
+from ..errors import ConfigError, ConnectionLost, SyncTimeout
 from ..plan.cost import ALLREDUCE_ALGORITHMS, Scheme, goes_round_ring
-from ..wire import DTYPE_BY_NAME, Kind, wire_dtype
+from ..wire import Kind
 from ..wire.codec import byte_view
 from ..wire.spans import spanning
 from .bucket import Bucket
+from .slices import CHUNKS_PER_LAYER, Layout, add_into, flat_arrays, gathered, layout_of, scatter
 from .syncer import SyncContext, Syncer, SyncResult
-
-CHUNKS_PER_LAYER = 1 << 16
-
-
-class _Layout:
-    """A bucket's arrays as one flat sequence: owners' slices, their chunks, and where each chunk's
-    bytes lie in the arrays (``[(array index, start, stop)]``, element offsets)."""
-
-    def __init__(self, sizes: Sequence[int], world: int, chunk_items: int) -> None:
-        total = sum(sizes)
-        self.starts = np.cumsum([0, *sizes])
-        base, extra = divmod(total, world)
-        bounds = [0]
-        for r in range(world):
-            bounds.append(bounds[-1] + base + (1 if r < extra else 0))
-        self._bounds = np.array(bounds)
-        self.chunks = []  # (owner, start, stop) in flat elements
-        for owner in range(world):
-            lo, hi = bounds[owner], bounds[owner + 1]
-            while lo < hi:
-                self.chunks.append((owner, lo, min(hi, lo + chunk_items)))
-                lo = min(hi, lo + chunk_items)
-        if len(self.chunks) > CHUNKS_PER_LAYER:
-            raise ConfigError(f"a bucket of {total} elements makes {len(self.chunks)} chunks; raise the chunk size")
-        self._pieces: dict = {}  # (start, stop) -> pieces: the same few ranges, step after step
-
-    def ring_chunks(self, chunk_items: int):
-        """``chunks[c][j] = (start, stop)``: slice ``j`` cut into the same number of chunks of at
-        most ``chunk_items``, so chunk ``c`` of every slice walks the ring together; None where a
-        chunk would be empty (fewer elements than ranks: go direct)."""
-        sizes = np.diff(self._bounds)
-        count = max(1, int(-(-int(sizes.max()) // chunk_items)))
-        if int(sizes.min()) < count:
-            return None
-        return [
-            [
-                (int(lo + size * c // count), int(lo + size * (c + 1) // count))
-                for lo, size in zip(self._bounds[:-1], sizes)
-            ]
-            for c in range(count)
-        ]
-
-    def pieces(self, start: int, stop: int) -> list:
-        """``[(array, lo, hi)]`` covering flat elements ``[start, stop)``."""
-        out = self._pieces.get((start, stop))
-        if out is None:
-            out = self._pieces[(start, stop)] = self._cut(start, stop)
-        return out
-
-    def _cut(self, start: int, stop: int) -> list:
-        out = []
-        i = int(np.searchsorted(self.starts, start, side="right")) - 1
-        while start < stop:
-            a_lo = self.starts[i]
-            a_hi = self.starts[i + 1]
-            hi = min(stop, a_hi)
-            if hi > start:
-                out.append((i, int(start - a_lo), int(hi - a_lo)))
-            start = hi
-            i += 1
-        return out
-
-
-def _gathered(arrays: list, pieces: list) -> np.ndarray:
-    """The flat elements ``pieces`` (``_Layout.pieces``) name: a view where they lie in one array."""
-    if len(pieces) == 1:
-        i, lo, hi = pieces[0]
-        return arrays[i][lo:hi]
-    return np.concatenate([arrays[i][lo:hi] for i, lo, hi in pieces])
-
-
-def _add_into(acc: np.ndarray, arrays: list, pieces: list) -> None:
-    """``acc += `` the flat elements ``pieces`` name, piece by piece: the same float32 additions as
-    adding their concatenation, without making it."""
-    offset = 0
-    for i, lo, hi in pieces:
-        part = acc[offset : offset + hi - lo]
-        np.add(part, arrays[i][lo:hi], out=part)
-        offset += hi - lo
-
-
-def _scatter(flat: np.ndarray, arrays: list, pieces: list) -> None:
-    """Copy ``flat`` into the places ``pieces`` name in ``arrays``."""
-    offset = 0
-    for i, lo, hi in pieces:
-        arrays[i][lo:hi] = flat[offset : offset + hi - lo]
-        offset += hi - lo
-
-
-def layout_of(cache: dict, bucket: Bucket, owners: int, chunk_bytes: int, itemsize: int) -> _Layout:
-    """The bucket's :class:`_Layout` over ``owners`` slices, made once per bucket shape (``cache``)."""
-    sizes = (bucket.flat[0].size,) if bucket.flat is not None else tuple(g.size for g in bucket.grads)
-    key = (bucket.layers, sizes)
-    layout = cache.get(key)
-    if layout is None:
-        layout = cache[key] = _Layout(sizes, owners, max(1, chunk_bytes // itemsize))
-    return layout
-
-
-def flat_arrays(bucket: Bucket) -> tuple:
-    """``(grads, outs, dtype, wire dtype)``: the bucket's arrays flattened, of one dtype.
-
-    Raises:
-        ConfigError: the bucket mixes dtypes, or holds one with no wire type.
-    """
-    if bucket.flat is not None:  # one buffer each way: no pass per parameter
-        grads, outs = [bucket.flat[0]], [bucket.flat[1]]
-    else:
-        grads = [g.reshape(-1) for g in bucket.grads]
-        outs = [o.reshape(-1) for o in bucket.outs]
-    dtype = grads[0].dtype
-    if any(g.dtype != dtype for g in grads):
-        raise ConfigError(
-            f"bucket {bucket.label} mixes dtypes {sorted({str(g.dtype) for g in grads})}: "
-            "all-reduce one dtype at a time"
-        )
-    wire = wire_dtype(dtype)
-    if wire is None:
-        raise ConfigError(
-            f"bucket {bucket.label} holds {dtype} arrays, which have no wire type: "
-            f"all-reduce {', '.join(DTYPE_BY_NAME)}"
-        )
-    return grads, outs, dtype, wire
 
 
 @dataclass
@@ -238,194 +116,38 @@ class AllReduceSyncer(Syncer):
     def build(cls, ctx: SyncContext) -> "AllReduceSyncer":
         return cls(ctx.rank, ctx.world, ctx.peers, ctx.timeout, ctx.chunk_bytes, ctx.allreduce)
 
-    def start(self, bucket: Bucket, clock: int) -> asyncio.Task:
-        return asyncio.ensure_future(self._sync(bucket, clock))
+    def start(self, bucket: Bucket, clock: int) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        try:
+            grads, outs, dtype, wire = flat_arrays(bucket)
+            if self.world == 1:
+                for g, o in zip(grads, outs):
+                    np.copyto(o, g)
+                done = loop.create_future()
+                done.set_result(SyncResult())
+                return done
+            layout = self._layout(bucket, dtype.itemsize)
+            if goes_round_ring(sum(g.nbytes for g in grads), self.world, self.algorithm):
+                ring = layout.ring_chunks(max(1, self._chunk_bytes // dtype.itemsize))
+                if ring is not None:
+                    return _Ring(self, bucket, clock, layout, ring, grads, outs, dtype, wire).start()
+            return _Direct(self, bucket, clock, layout, grads, outs, dtype, wire).start()
+        except Exception as exc:  # noqa: BLE001 - the sync's future says it, as a task's would
+            failed = loop.create_future()
+            failed.set_exception(exc)
+            return failed
 
-    def _layout(self, bucket: Bucket, itemsize: int) -> _Layout:
+    def _layout(self, bucket: Bucket, itemsize: int) -> Layout:
         return layout_of(self._layouts, bucket, self.world, self._chunk_bytes, itemsize)
 
-    async def _sync(self, bucket: Bucket, clock: int) -> SyncResult:
-        grads, outs, dtype, wire = flat_arrays(bucket)
-        if self.world == 1:
-            for g, o in zip(grads, outs):
-                np.copyto(o, g)
-            return SyncResult()
-        layout = self._layout(bucket, dtype.itemsize)
-        if goes_round_ring(sum(g.nbytes for g in grads), self.world, self.algorithm):
-            ring = layout.ring_chunks(max(1, self._chunk_bytes // dtype.itemsize))
-            if ring is not None:
-                return await self._ring(bucket, clock, layout, ring, grads, outs, dtype, wire)
-        base = bucket.layers[0] * CHUNKS_PER_LAYER
-        mine = [(c, start, stop) for c, (owner, start, stop) in enumerate(layout.chunks) if owner == self.rank]
-        # Register every receive before anything is sent: a part that beats its expect would be
-        # copied once more out of the inbox.
-        parts = {}  # (chunk, peer) -> (future, buffer)
-        for c, start, stop in mine:
-            for q, conn in self._peers.items():
-                buf = self._take((stop - start,), dtype)
-                parts[(c, q)] = (conn.expect(Kind.PUSH, base + c, clock, into=buf), buf)
-        gathers = {}  # chunk -> future of the owner's reduced chunk
-        landings = {}
-        for c, (owner, start, stop) in enumerate(layout.chunks):
-            if owner == self.rank:
-                continue
-            into, pieces = self._landing(layout, outs, start, stop, dtype)
-            gathers[c] = self._peers[owner].expect(Kind.AGGREGATE, base + c, clock, into=into)
-            landings[c] = (into, pieces)
-        sent = received = 0
-        try:
-            sends = []
-            for c, (owner, start, stop) in enumerate(layout.chunks):
-                if owner != self.rank:
-                    payload = [grads[i][lo:hi] for i, lo, hi in layout.pieces(start, stop)]
-                    sends.append(
-                        self._peers[owner].send(
-                            Kind.PUSH, payload, key=base + c, clock=clock, dtype=wire, priority=bucket.priority
-                        )
-                    )
-                    sent += (stop - start) * dtype.itemsize
-            reduce_tasks = [
-                asyncio.ensure_future(
-                    self._reduce_and_gather(bucket, layout, grads, outs, parts, c, start, stop, base, clock, wire)
-                )
-                for c, start, stop in mine
-            ]
-            await self._bounded(asyncio.gather(*sends), bucket, clock, "sending its parts")
-            from_ranks = {q: fut for (_, q), (fut, _) in parts.items()}
-            for n in await self._bounded(
-                asyncio.gather(*reduce_tasks), bucket, clock, "the other ranks' parts", [*from_ranks.items()]
-            ):
-                sent += n
-            owners = [(layout.chunks[c][0], fut) for c, fut in gathers.items()]
-            frames = await self._bounded(asyncio.gather(*gathers.values()), bucket, clock, "the reduced chunks", owners)
-        except BaseException:
-            for fut, _ in parts.values():
-                fut.cancel()
-            for fut in gathers.values():
-                fut.cancel()
-            raise
-        for c, frame in zip(gathers, frames):
-            into, pieces = landings[c]
-            received += frame.header.length
-            if pieces is not None:  # a chunk across arrays: scatter it
-                _scatter(into, outs, pieces)
-                self._give(into)
-        for (c, q), (fut, buf) in parts.items():
-            received += buf.nbytes
-            self._give(buf)
-        return SyncResult(sent, received)
-
-    async def _reduce_and_gather(self, bucket, layout, grads, outs, parts, c, start, stop, base, clock, wire) -> int:
-        """Sum chunk ``c`` (this rank owns it) in rank order once every peer's part is in, put the
-        mean in the outs, send it to every peer; return the bytes sent."""
-        await asyncio.gather(*(parts[(c, q)][0] for q in self._peers))
-        pieces = layout.pieces(start, stop)
-        mine = _gathered(grads, pieces)
-        total = None
-        for r in range(self.world):
-            x = mine if r == self.rank else parts[(c, r)][1]
-            total = x.copy() if total is None else np.add(total, x, out=total)
-        np.divide(total, total.dtype.type(self.world), out=total)
-        _scatter(total, outs, pieces)
-        await asyncio.gather(
-            *(
-                conn.send(Kind.AGGREGATE, total, key=base + c, clock=clock, dtype=wire, priority=bucket.priority)
-                for conn in self._peers.values()
-            )
+    def _timed_out(self, bucket: Bucket, clock: int, what: str, late: Sequence[int]) -> SyncTimeout:
+        who = f" from rank(s) {sorted({self._ranks[q] for q in late})}" if late else ""
+        return SyncTimeout(
+            f"rank {self._ranks[self.rank]}: all-reduce of {bucket.label} at clock {clock}: {what}{who} "
+            f"did not arrive within {self._timeout} s; a worker may be dead or stalled"
         )
-        return total.nbytes * len(self._peers)
 
-    async def _ring(self, bucket, clock, layout, ring, grads, outs, dtype, wire) -> SyncResult:
-        P, r, steps = self.world, self.rank, self.world - 1
-        if len(ring) * steps > CHUNKS_PER_LAYER:
-            raise ConfigError(f"bucket {bucket.label} makes {len(ring)} chunks of {P} slices; raise the chunk size")
-        prev = (r - 1) % P
-        base = bucket.layers[0] * CHUNKS_PER_LAYER
-        # Every receive registered before anything is sent (see _sync). At step s rank r gets
-        # slice r - s - 1 (reduce-scatter) and slice r - s (all-gather) from rank r - 1.
-        parts, gathers = {}, {}
-        for c, slices in enumerate(ring):
-            for s in range(steps):
-                start, stop = slices[(r - s - 1) % P]
-                buf = self._take((stop - start,), dtype)
-                parts[(c, s)] = (self._peers[prev].expect(Kind.PUSH, base + c * steps + s, clock, into=buf), buf)
-                start, stop = slices[(r - s) % P]
-                into, pieces = self._landing(layout, outs, start, stop, dtype)
-                gathers[(c, s)] = (
-                    self._peers[prev].expect(Kind.AGGREGATE, base + c * steps + s, clock, into=into),
-                    into,
-                    pieces,
-                )
-        walks = [
-            asyncio.ensure_future(self._walk(bucket, clock, layout, slices, c, grads, outs, parts, gathers, wire))
-            for c, slices in enumerate(ring)
-        ]
-        for walk in walks:  # the first failure is raised; the others' (the same cause) are not news
-            walk.add_done_callback(silence)
-        try:
-            sent = sum(await asyncio.gather(*walks))
-        except BaseException:
-            for fut in (*walks, *(f for f, *_ in (*parts.values(), *gathers.values()))):
-                fut.cancel()
-            raise
-        # Sent payloads are not copied (Connection.send): a buffer goes back to the pool only
-        # once the peer surely has it. A reduce-scatter part has reached rank + 1 when every
-        # all-gather step of its chunk is back here (its sum went on round the ring); what this
-        # rank sent in the all-gather has no such echo, so those buffers are left to the collector.
-        received = 0
-        for (c, s), (_, buf) in parts.items():
-            received += buf.nbytes
-            if s < steps - 1:
-                self._give(buf)
-        for (c, s), (_, into, pieces) in gathers.items():
-            received += into.nbytes
-            if pieces is not None and s == steps - 1:
-                self._give(into)
-        return SyncResult(sent, received)
-
-    async def _walk(self, bucket, clock, layout, slices, c, grads, outs, parts, gathers, wire) -> int:
-        """Chunk ``c`` of every slice round the ring: reduce-scatter, then all-gather; returns the
-        bytes this rank sent."""
-        P, r, steps = self.world, self.rank, self.world - 1
-        nxt, prev = self._peers[(r + 1) % P], (r - 1) % P
-        base = bucket.layers[0] * CHUNKS_PER_LAYER + c * steps
-        start, stop = slices[r]
-        await nxt.send(
-            Kind.PUSH,
-            [grads[i][lo:hi] for i, lo, hi in layout.pieces(start, stop)],
-            key=base,
-            clock=clock,
-            dtype=wire,
-            priority=bucket.priority,
-        )
-        sent = (stop - start) * grads[0].itemsize
-        for s in range(steps):
-            fut, acc = parts[(c, s)]
-            await self._bounded(
-                fut, bucket, clock, f"reduce-scatter step {s} of chunk {c} from rank {self._ranks[prev]}"
-            )
-            _add_into(acc, grads, layout.pieces(*slices[(r - s - 1) % P]))
-            if s < steps - 1:
-                await nxt.send(Kind.PUSH, acc, key=base + s + 1, clock=clock, dtype=wire, priority=bucket.priority)
-                sent += acc.nbytes
-        # acc is now the sum of slice r + 1's chunk c over every rank: this rank owns it.
-        np.divide(acc, acc.dtype.type(P), out=acc)
-        _scatter(acc, outs, layout.pieces(*slices[(r + 1) % P]))
-        await nxt.send(Kind.AGGREGATE, acc, key=base, clock=clock, dtype=wire, priority=bucket.priority)
-        sent += acc.nbytes
-        for s in range(steps):
-            fut, into, pieces = gathers[(c, s)]
-            await self._bounded(fut, bucket, clock, f"all-gather step {s} of chunk {c} from rank {self._ranks[prev]}")
-            if pieces is not None:  # a chunk across arrays: scatter it
-                _scatter(into, outs, pieces)
-            if s < steps - 1:
-                await nxt.send(
-                    Kind.AGGREGATE, into, key=base + s + 1, clock=clock, dtype=wire, priority=bucket.priority
-                )
-                sent += into.nbytes
-        return sent
-
-    def _landing(self, layout: _Layout, outs: list, start: int, stop: int, dtype):
+    def _landing(self, layout: Layout, outs: list, start: int, stop: int, dtype):
         """Where a reduced chunk is received: straight into the out array when it lies in one,
         else a buffer scattered afterwards (returned with its pieces)."""
         pieces = layout.pieces(start, stop)
@@ -450,15 +172,330 @@ class AllReduceSyncer(Syncer):
         if len(pool) < 4 * self.world:
             pool.append(buf)
 
-    async def _bounded(self, aw, bucket: Bucket, clock: int, what: str, waits: Sequence[tuple] = ()):
-        """``await aw`` within the sync timeout; ``waits``: ``[(rank, future)]`` it waits on, so the
-        error names the ranks that never sent (a wait cancelled by the timeout did not arrive)."""
+
+class _InFlight:
+    """One all-reduce in flight, driven by callbacks as the PS client's pushes are: a frame goes
+    out at once where it can (``try_send``; else a send task), each receive's arrival runs the next
+    piece of work, the sync's future is settled when nothing is left, and one timer bounds the
+    whole. A task and a ``wait_for`` per chunk and step cost the loop more than a small bucket's
+    bytes take to move."""
+
+    __slots__ = (
+        "syncer",
+        "bucket",
+        "clock",
+        "layout",
+        "grads",
+        "outs",
+        "dtype",
+        "wire",
+        "base",
+        "future",
+        "left",
+        "tasks",
+        "timer",
+        "sent",
+    )
+
+    def __init__(self, syncer: AllReduceSyncer, bucket: Bucket, clock: int, layout, grads, outs, dtype, wire) -> None:
+        self.syncer, self.bucket, self.clock, self.layout = syncer, bucket, clock, layout
+        self.grads, self.outs, self.dtype, self.wire = grads, outs, dtype, wire
+        self.base = bucket.layers[0] * CHUNKS_PER_LAYER
+        self.future = asyncio.get_running_loop().create_future()
+        self.left = 0  # pieces of work not yet done (each subclass's), plus sends under way
+        self.tasks: list = []
+        self.timer = None
+        self.sent = 0
+
+    def _armed(self) -> asyncio.Future:
+        self.future.add_done_callback(self._ended)
+        if not self.left and not self.future.done():  # nothing to move (an empty bucket)
+            self.future.set_result(SyncResult(self.sent, self._received()))
+        if not self.future.done():
+            self.timer = self.future.get_loop().call_later(self.syncer._timeout, self._timed_out)
+        return self.future
+
+    def _send(self, conn, kind: Kind, payload, key: int, nbytes: int) -> None:
+        if self.future.done():
+            return
+        self.sent += nbytes
+        priority = self.bucket.priority
         try:
-            return await asyncio.wait_for(aw, self._timeout)
-        except TimeoutError:
-            late = sorted({self._ranks[q] for q, fut in waits if fut.cancelled() or not fut.done()})
-            who = f" from rank(s) {late}" if late else ""
-            raise SyncTimeout(
-                f"rank {self._ranks[self.rank]}: all-reduce of {bucket.label} at clock {clock}: {what}{who} "
-                f"did not arrive within {self._timeout} s; a worker may be dead or stalled"
-            ) from None
+            if conn.try_send(kind, payload, key=key, clock=self.clock, dtype=self.wire, priority=priority):
+                return
+        except Exception as exc:  # noqa: BLE001 - a lost link: the sync's future says so
+            self._fail(exc)
+            return
+        task = asyncio.ensure_future(
+            conn.send(kind, payload, key=key, clock=self.clock, dtype=self.wire, priority=priority)
+        )
+        self.tasks.append(task)
+        self.left += 1
+        task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Future) -> None:
+        if not self._failed(task):
+            self._count_down()
+
+    def _count_down(self) -> None:
+        self.left -= 1
+        if not self.left and not self.future.done():
+            self.future.set_result(SyncResult(self.sent, self._received()))
+
+    def _run(self, work, *args) -> None:
+        try:
+            work(*args)
+        except Exception as exc:  # noqa: BLE001 - a bug here must end the sync, not leave it to time out
+            self._fail(exc)
+
+    def _failed(self, fut: asyncio.Future) -> bool:
+        """Whether the sync is over (settled before, or ended now by ``fut``'s failure)."""
+        exc = None if fut.cancelled() else fut.exception()  # retrieved, even where it is no news
+        if self.future.done():
+            return True
+        if fut.cancelled():
+            me = self.syncer._ranks[self.syncer.rank]
+            self._fail(
+                ConnectionLost(f"rank {me}: all-reduce of {self.bucket.label} at clock {self.clock} was given up")
+            )
+            return True
+        if exc is not None:
+            self._fail(exc)
+            return True
+        return False
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+    def _ended(self, fut: asyncio.Future) -> None:
+        # Settled, failed or given up: nothing of this sync is waited for any more.
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        for wait in self._waits():
+            if not wait.done():
+                wait.cancel()
+        for task in self.tasks:
+            if not task.done():
+                task.cancel()
+
+    def _waits(self):
+        raise NotImplementedError
+
+    def _received(self) -> int:
+        raise NotImplementedError
+
+    def _timed_out(self) -> None:
+        raise NotImplementedError
+
+
+class _Direct(_InFlight):
+    """The direct algorithm: every part to its owner at once; an owned chunk summed, and its mean
+    sent to every peer, as its last part lands; settled as the last mean from the others lands."""
+
+    __slots__ = ("parts", "missing", "gathers")
+
+    def start(self) -> asyncio.Future:
+        syncer, layout, rank = self.syncer, self.layout, self.syncer.rank
+        self.parts: dict = {}  # (chunk, peer) -> (future, buffer): the owned chunks' parts
+        self.missing: dict = {}  # owned chunk -> its parts not yet in
+        self.gathers: dict = {}  # chunk -> (future, landing, pieces): the others' means
+        # Every receive is registered before anything is sent: a part that beats its expect would
+        # be copied once more out of the inbox.
+        for c, (owner, start, stop) in enumerate(layout.chunks):
+            if owner == rank:
+                for q, conn in syncer._peers.items():
+                    buf = syncer._take((stop - start,), self.dtype)
+                    self.parts[(c, q)] = (conn.expect(Kind.PUSH, self.base + c, self.clock, into=buf), buf)
+                self.missing[c] = len(syncer._peers)
+            else:
+                into, pieces = syncer._landing(layout, self.outs, start, stop, self.dtype)
+                wait = syncer._peers[owner].expect(Kind.AGGREGATE, self.base + c, self.clock, into=into)
+                self.gathers[c] = (wait, into, pieces)
+            self.left += 1
+        for (c, _), (wait, _) in self.parts.items():
+            wait.add_done_callback(functools.partial(self._part_in, c))
+        for c, (wait, _, _) in self.gathers.items():
+            wait.add_done_callback(functools.partial(self._mean_in, c))
+        for c, (owner, start, stop) in enumerate(layout.chunks):
+            if owner != rank:
+                payload = [self.grads[i][lo:hi] for i, lo, hi in layout.pieces(start, stop)]
+                self._send(
+                    syncer._peers[owner], Kind.PUSH, payload, self.base + c, (stop - start) * self.dtype.itemsize
+                )
+        return self._armed()
+
+    def _part_in(self, c: int, fut: asyncio.Future) -> None:
+        if self._failed(fut):
+            return
+        self.missing[c] -= 1
+        if not self.missing[c]:
+            self._run(self._reduce, c)
+
+    def _reduce(self, c: int) -> None:
+        """Every peer's part of owned chunk ``c`` is in: sum in rank order (the same bits whatever
+        order they came in), the mean into the outs and to every peer."""
+        syncer = self.syncer
+        _, start, stop = self.layout.chunks[c]
+        pieces = self.layout.pieces(start, stop)
+        mine = gathered(self.grads, pieces)
+        total = None
+        for r in range(syncer.world):
+            x = mine if r == syncer.rank else self.parts[(c, r)][1]
+            total = x.copy() if total is None else np.add(total, x, out=total)
+        np.divide(total, total.dtype.type(syncer.world), out=total)
+        scatter(total, self.outs, pieces)
+        for conn in syncer._peers.values():
+            self._send(conn, Kind.AGGREGATE, total, self.base + c, total.nbytes)
+        self._count_down()
+
+    def _mean_in(self, c: int, fut: asyncio.Future) -> None:
+        if self._failed(fut):
+            return
+        _, into, pieces = self.gathers[c]
+        if pieces is not None:  # a chunk across arrays: scatter it
+            self._run(scatter, into, self.outs, pieces)
+        self._count_down()
+
+    def _received(self) -> int:
+        syncer, received = self.syncer, 0
+        for _, into, pieces in self.gathers.values():
+            received += into.nbytes
+            if pieces is not None:
+                syncer._give(into)
+        for _, buf in self.parts.values():
+            received += buf.nbytes
+            syncer._give(buf)
+        return received
+
+    def _waits(self):
+        return [w for w, _ in self.parts.values()] + [w for w, _, _ in self.gathers.values()]
+
+    def _timed_out(self) -> None:
+        self.timer = None
+        if self.future.done():
+            return
+        late = [q for (_, q), (fut, _) in self.parts.items() if not fut.done()]
+        what = "the other ranks' parts"
+        if not late:
+            late = [self.layout.chunks[c][0] for c, (fut, _, _) in self.gathers.items() if not fut.done()]
+            what = "the reduced chunks" if late else "sending its parts"
+        self._fail(self.syncer._timed_out(self.bucket, self.clock, what, late))
+
+
+class _Ring(_InFlight):
+    """The ring algorithm: each chunk walks the ring on its own, a step as its part lands: P - 1
+    reduce-scatter steps (add this rank's slice, send the sum on), the owner's mean, P - 1
+    all-gather steps (land it, send it on); settled as every chunk's last step is done."""
+
+    __slots__ = ("ring", "parts", "gathers", "at")
+
+    def __init__(self, syncer, bucket, clock, layout, ring, grads, outs, dtype, wire) -> None:
+        super().__init__(syncer, bucket, clock, layout, grads, outs, dtype, wire)
+        self.ring = ring
+
+    def start(self) -> asyncio.Future:
+        syncer, ring = self.syncer, self.ring
+        P, r, steps = syncer.world, syncer.rank, syncer.world - 1
+        if len(ring) * steps > CHUNKS_PER_LAYER:
+            raise ConfigError(
+                f"bucket {self.bucket.label} makes {len(ring)} chunks of {P} slices; raise the chunk size"
+            )
+        prev = syncer._peers[(r - 1) % P]
+        # Every receive registered before anything is sent (see _Direct.start). At step s rank r
+        # gets slice r - s - 1 (reduce-scatter) and slice r - s (all-gather) from rank r - 1.
+        self.parts: dict = {}  # (chunk, step) -> (future, buffer)
+        self.gathers: dict = {}  # (chunk, step) -> (future, landing, pieces)
+        self.at: list = [("reduce-scatter", 0)] * len(ring)  # where each chunk's walk waits
+        for c, slices in enumerate(ring):
+            key = self.base + c * steps
+            for s in range(steps):
+                start, stop = slices[(r - s - 1) % P]
+                buf = syncer._take((stop - start,), self.dtype)
+                self.parts[(c, s)] = (prev.expect(Kind.PUSH, key + s, self.clock, into=buf), buf)
+                start, stop = slices[(r - s) % P]
+                into, pieces = syncer._landing(self.layout, self.outs, start, stop, self.dtype)
+                self.gathers[(c, s)] = (prev.expect(Kind.AGGREGATE, key + s, self.clock, into=into), into, pieces)
+            self.left += 1
+        nxt = syncer._peers[(r + 1) % P]
+        for c, slices in enumerate(ring):
+            start, stop = slices[r]
+            payload = [self.grads[i][lo:hi] for i, lo, hi in self.layout.pieces(start, stop)]
+            self._send(nxt, Kind.PUSH, payload, self.base + c * steps, (stop - start) * self.dtype.itemsize)
+            self.parts[(c, 0)][0].add_done_callback(functools.partial(self._part_in, c, 0))
+        return self._armed()
+
+    def _part_in(self, c: int, s: int, fut: asyncio.Future) -> None:
+        if not self._failed(fut):
+            self._run(self._reduce_step, c, s)
+
+    def _reduce_step(self, c: int, s: int) -> None:
+        syncer, slices = self.syncer, self.ring[c]
+        P, r, steps = syncer.world, syncer.rank, syncer.world - 1
+        nxt, key = syncer._peers[(r + 1) % P], self.base + c * steps
+        acc = self.parts[(c, s)][1]
+        add_into(acc, self.grads, self.layout.pieces(*slices[(r - s - 1) % P]))
+        if s < steps - 1:
+            self._send(nxt, Kind.PUSH, acc, key + s + 1, acc.nbytes)
+            self.at[c] = ("reduce-scatter", s + 1)
+            self.parts[(c, s + 1)][0].add_done_callback(functools.partial(self._part_in, c, s + 1))
+            return
+        # acc is now the sum of slice r + 1's chunk c over every rank: this rank owns it.
+        np.divide(acc, acc.dtype.type(P), out=acc)
+        scatter(acc, self.outs, self.layout.pieces(*slices[(r + 1) % P]))
+        self._send(nxt, Kind.AGGREGATE, acc, key, acc.nbytes)
+        self.at[c] = ("all-gather", 0)
+        self.gathers[(c, 0)][0].add_done_callback(functools.partial(self._mean_in, c, 0))
+
+    def _mean_in(self, c: int, s: int, fut: asyncio.Future) -> None:
+        if not self._failed(fut):
+            self._run(self._gather_step, c, s)
+
+    def _gather_step(self, c: int, s: int) -> None:
+        syncer = self.syncer
+        r, steps = syncer.rank, syncer.world - 1
+        _, into, pieces = self.gathers[(c, s)]
+        if pieces is not None:  # a chunk across arrays: scatter it
+            scatter(into, self.outs, pieces)
+        if s < steps - 1:
+            nxt = syncer._peers[(r + 1) % syncer.world]
+            self._send(nxt, Kind.AGGREGATE, into, self.base + c * steps + s + 1, into.nbytes)
+            self.at[c] = ("all-gather", s + 1)
+            self.gathers[(c, s + 1)][0].add_done_callback(functools.partial(self._mean_in, c, s + 1))
+            return
+        self.at[c] = None
+        self._count_down()
+
+    def _received(self) -> int:
+        # Sent payloads are not copied (Connection.send): a buffer goes back to the pool only
+        # once the peer surely has it. A reduce-scatter part has reached rank + 1 when every
+        # all-gather step of its chunk is back here (its sum went on round the ring); what this
+        # rank sent in the all-gather has no such echo, so those buffers are left to the collector.
+        syncer, steps, received = self.syncer, self.syncer.world - 1, 0
+        for (c, s), (_, buf) in self.parts.items():
+            received += buf.nbytes
+            if s < steps - 1:
+                syncer._give(buf)
+        for (c, s), (_, into, pieces) in self.gathers.items():
+            received += into.nbytes
+            if pieces is not None and s == steps - 1:
+                syncer._give(into)
+        return received
+
+    def _waits(self):
+        return [w for w, _ in self.parts.values()] + [w for w, _, _ in self.gathers.values()]
+
+    def _timed_out(self) -> None:
+        self.timer = None
+        if self.future.done():
+            return
+        syncer = self.syncer
+        waiting = [(c, at) for c, at in enumerate(self.at) if at is not None]
+        if waiting:
+            c, (phase, s) = waiting[0]
+            prev = syncer._ranks[(syncer.rank - 1) % syncer.world]
+            what, late = f"{phase} step {s} of chunk {c} from rank {prev}", []
+        else:
+            what, late = "sending its parts", []
+        self._fail(syncer._timed_out(self.bucket, self.clock, what, late))

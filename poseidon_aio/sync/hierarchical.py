@@ -2,7 +2,7 @@
 bytes, gather inside the host (the hierarchical all-reduce of NCCL and Horovod).
 
 A bucket's arrays, read as one flat sequence, are cut into L slices; local rank ``j`` owns
-slice ``j`` (:class:`~poseidon_aio.sync.allreduce._Layout` over the host's L ranks):
+slice ``j`` (:class:`~poseidon_aio.sync.slices.Layout` over the host's L ranks):
 
 1. reduce-scatter inside the host: every local rank sends each chunk of slice ``j`` to local
    rank ``j`` (PUSH frames), which sums the L parts in local-rank order;
@@ -33,7 +33,8 @@ import numpy as np
 from ..net.endpoint import silence
 from ..plan.cost import Scheme
 from ..wire import Kind
-from .allreduce import CHUNKS_PER_LAYER, AllReduceSyncer, _gathered, _scatter, flat_arrays, layout_of
+from .allreduce import AllReduceSyncer
+from .slices import CHUNKS_PER_LAYER, flat_arrays, gathered, layout_of, scatter
 from .bucket import Bucket
 from .syncer import SyncContext, Syncer, SyncResult, register, within
 
@@ -129,7 +130,7 @@ class HierarchicalAllReduce(Syncer):
             for c, start, stop in mine:
                 seg = summed[start - lo : stop - lo]
                 for j in range(len(self.local)):
-                    part = _gathered(grads, layout.pieces(start, stop)) if j == self.me else parts[(c, j)][1]
+                    part = gathered(grads, layout.pieces(start, stop)) if j == self.me else parts[(c, j)][1]
                     if j == 0:
                         np.copyto(seg, part)
                     else:
@@ -144,7 +145,7 @@ class HierarchicalAllReduce(Syncer):
             gathered_sends = []
             for c, start, stop in mine:
                 seg = reduced[start - lo : stop - lo]
-                _scatter(seg, outs, layout.pieces(start, stop))
+                scatter(seg, outs, layout.pieces(start, stop))
                 gathered_sends += [
                     link.send(Kind.AGGREGATE, seg, key=base + c, clock=clock, dtype=wire, priority=bucket.priority)
                     for link in self._links.values()
@@ -160,7 +161,7 @@ class HierarchicalAllReduce(Syncer):
                 fut.add_done_callback(silence)
             raise
         for c, (_, into) in gathers.items():
-            _scatter(into, outs, layout.pieces(*layout.chunks[c][1:]))
+            scatter(into, outs, layout.pieces(*layout.chunks[c][1:]))
         return SyncResult(result.bytes_sent, result.bytes_received)
 
     def _bounded(self, aw, bucket: Bucket, clock: int, what: str, waits: Sequence[tuple] = ()):
