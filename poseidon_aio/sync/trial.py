@@ -25,6 +25,11 @@ from typing import Any, Mapping, Optional, Sequence
 
 from ..errors import LocalProtocolError
 
+# Phases within this fraction of the fastest's step are as fast, whatever the warm-up's noise: a
+# trial of a few steps does not resolve less, and at 100 Mbit, where the link sets a step, the
+# warm-up's jitter is a tenth of a millisecond and 0.2 % decided for 50 % more CPU (bench/RESULTS.md).
+TIE_FRACTION = 0.02
+
 
 def judge_trial(
     warm: Mapping[int, Sequence[float]],
@@ -44,8 +49,9 @@ def judge_trial(
     rank; each phase's first step is left out where it has others (the warm-up's first starts
     the parameter server and faults buffers in, a trial's first starts the plan's). The fastest
     phase is kept, unless others are as fast within the noise: the warm-up steps' median
-    absolute deviation from their median (a trial of a few steps cannot tell a 1 % difference
-    from the host's jitter, and took the plan one way or the other by chance). Of those, the one
+    absolute deviation from their median, and at least ``TIE_FRACTION`` of the fastest's step (a
+    trial of a few steps cannot tell a 1 % difference from the host's jitter, and took the plan
+    one way or the other by chance). Of those, the one
     whose ranks spent the least CPU a step wins (``cpu``: every rank's CPU seconds a step, the
     warm-up's then each trial's): where cores are shared that CPU is another rank's time.
     Returns ``{"kept", "best", "unmerged_s", "planned_s", "trials_s", "noise_s", "unmerged_cpu_s",
@@ -82,7 +88,7 @@ def judge_trial(
     chosen = fastest + 1 if medians[fastest] < unmerged else 0
     if cpus:
         # ... or, of those as fast within the noise, the one that spent the least CPU.
-        ties = [i for i, t in enumerate(phases) if t <= phases[chosen] + noise]
+        ties = [i for i, t in enumerate(phases) if t <= phases[chosen] + max(noise, TIE_FRACTION * phases[chosen])]
         chosen = min(ties, key=lambda i: (cpus[i], phases[i], i))
     by = "time" if phases[chosen] == min(phases) else "cpu"
     return {
