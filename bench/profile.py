@@ -225,14 +225,14 @@ def by_run(runs: dict) -> str:
         for (_, p), v in got.items():
             by_place[run][p] += v
     places = sorted({p for c in by_place.values() for p in c}, key=lambda p: -sum(c[p] for c in by_place.values()))
-    names = [re.sub(r"^[a-z]+-|-\d+steps$", "", run) for run in cols]
+    names = [re.sub(r"^[^-]+-|-\d+steps$", "", run) for run in cols]  # an impl's name has no "-"
     lines = ["| where | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for p in places:
         lines.append(f"| {p} | " + " | ".join(f"{by_place[run][p]:.2f}" for run in cols) + " |")
     lines.append("| **all** | " + " | ".join(f"**{sum(by_place[run].values()):.2f}**" for run in cols) + " |")
     ddp = []
     for run in cols:
-        twin = re.sub(r"^[a-z]+-", "ddp-", run)
+        twin = re.sub(r"^[^-]+-", "ddp-", run)  # a variant too: poseidon_merge=none-...
         ddp.append(f"{sum(cells_of(runs[twin], _steps(twin))[0].values()):.2f}" if twin in runs else "-")
     lines.append("| DDP's, all | " + " | ".join(ddp) + " |")
     return "\n".join(lines)

@@ -74,3 +74,14 @@ def test_thread_cpu_names_this_thread():
     assert got[mine][0] == threading.current_thread().name
     assert got[mine][1] >= 0.0
     assert profile.thread_kind("poseidon-compute_0") == "compute" and profile.thread_kind("MainThread") == "main"
+
+
+def test_by_run_puts_ddps_total_under_a_variant_of_ours_too(tmp_path):
+    stack = "thread (11): poseidon-loop;Thread.run (threading.py:982);run_forever (uvloop/loop.so) 1"
+    runs = {}
+    for impl, cpu in (("ddp", 0.02), ("poseidon_merge=none", 0.05)):
+        run = f"{impl}-resnet-1gbit-replayed-2w-10steps"
+        runs[run] = [_write(tmp_path, f"{run}-rank0.txt", [stack], {"loop": cpu})]
+    lines = profile.by_run(runs).splitlines()
+    assert lines[0] == "| where | resnet-1gbit-replayed-2w |"
+    assert lines[-2] == "| **all** | **5.00** |" and lines[-1] == "| DDP's, all | 2.00 |"
