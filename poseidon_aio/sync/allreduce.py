@@ -140,7 +140,7 @@ class AllReduceSyncer(Syncer):
     def _layout(self, bucket: Bucket, itemsize: int) -> Layout:
         return layout_of(self._layouts, bucket, self.world, self._chunk_bytes, itemsize)
 
-    def _timed_out(self, bucket: Bucket, clock: int, what: str, late: Sequence[int]) -> SyncTimeout:
+    def _timeout_error(self, bucket: Bucket, clock: int, what: str, late: Sequence[int]) -> SyncTimeout:
         who = f" from rank(s) {sorted({self._ranks[q] for q in late})}" if late else ""
         return SyncTimeout(
             f"rank {self._ranks[self.rank]}: all-reduce of {bucket.label} at clock {clock}: {what}{who} "
@@ -191,6 +191,8 @@ class _InFlight:
         "wire",
         "base",
         "future",
+        "parts",
+        "gathers",
         "left",
         "tasks",
         "timer",
@@ -202,6 +204,8 @@ class _InFlight:
         self.grads, self.outs, self.dtype, self.wire = grads, outs, dtype, wire
         self.base = bucket.layers[0] * CHUNKS_PER_LAYER
         self.future = asyncio.get_running_loop().create_future()
+        self.parts: dict = {}  # -> (future, buffer): the parts this rank sums
+        self.gathers: dict = {}  # -> (future, landing, pieces): the means this rank lands
         self.left = 0  # pieces of work not yet done (each subclass's), plus sends under way
         self.tasks: list = []
         self.timer = None
@@ -280,13 +284,20 @@ class _InFlight:
             if not task.done():
                 task.cancel()
 
-    def _waits(self):
-        raise NotImplementedError
-
-    def _received(self) -> int:
-        raise NotImplementedError
+    def _waits(self) -> list:
+        return [w for w, _ in self.parts.values()] + [w for w, _, _ in self.gathers.values()]
 
     def _timed_out(self) -> None:
+        self.timer = None
+        if not self.future.done():
+            self._fail(self._late())
+
+    def _received(self) -> int:
+        """Bytes received; the receive buffers no peer can still be writing go back to the pool."""
+        raise NotImplementedError
+
+    def _late(self) -> SyncTimeout:
+        """The timeout's error: what this rank still waits for, and from whom."""
         raise NotImplementedError
 
 
@@ -294,13 +305,12 @@ class _Direct(_InFlight):
     """The direct algorithm: every part to its owner at once; an owned chunk summed, and its mean
     sent to every peer, as its last part lands; settled as the last mean from the others lands."""
 
-    __slots__ = ("parts", "missing", "gathers")
+    __slots__ = ("missing",)
 
     def start(self) -> asyncio.Future:
         syncer, layout, rank = self.syncer, self.layout, self.syncer.rank
-        self.parts: dict = {}  # (chunk, peer) -> (future, buffer): the owned chunks' parts
+        # parts: (chunk, peer) -> the owned chunks' parts; gathers: chunk -> the others' means
         self.missing: dict = {}  # owned chunk -> its parts not yet in
-        self.gathers: dict = {}  # chunk -> (future, landing, pieces): the others' means
         # Every receive is registered before anything is sent: a part that beats its expect would
         # be copied once more out of the inbox.
         for c, (owner, start, stop) in enumerate(layout.chunks):
@@ -369,19 +379,13 @@ class _Direct(_InFlight):
             syncer._give(buf)
         return received
 
-    def _waits(self):
-        return [w for w, _ in self.parts.values()] + [w for w, _, _ in self.gathers.values()]
-
-    def _timed_out(self) -> None:
-        self.timer = None
-        if self.future.done():
-            return
+    def _late(self) -> SyncTimeout:
         late = [q for (_, q), (fut, _) in self.parts.items() if not fut.done()]
         what = "the other ranks' parts"
         if not late:
             late = [self.layout.chunks[c][0] for c, (fut, _, _) in self.gathers.items() if not fut.done()]
             what = "the reduced chunks" if late else "sending its parts"
-        self._fail(self.syncer._timed_out(self.bucket, self.clock, what, late))
+        return self.syncer._timeout_error(self.bucket, self.clock, what, late)
 
 
 class _Ring(_InFlight):
@@ -389,7 +393,7 @@ class _Ring(_InFlight):
     reduce-scatter steps (add this rank's slice, send the sum on), the owner's mean, P - 1
     all-gather steps (land it, send it on); settled as every chunk's last step is done."""
 
-    __slots__ = ("ring", "parts", "gathers", "at")
+    __slots__ = ("ring", "at")
 
     def __init__(self, syncer, bucket, clock, layout, ring, grads, outs, dtype, wire) -> None:
         super().__init__(syncer, bucket, clock, layout, grads, outs, dtype, wire)
@@ -405,8 +409,7 @@ class _Ring(_InFlight):
         prev = syncer._peers[(r - 1) % P]
         # Every receive registered before anything is sent (see _Direct.start). At step s rank r
         # gets slice r - s - 1 (reduce-scatter) and slice r - s (all-gather) from rank r - 1.
-        self.parts: dict = {}  # (chunk, step) -> (future, buffer)
-        self.gathers: dict = {}  # (chunk, step) -> (future, landing, pieces)
+        # parts and gathers: (chunk, step) -> that step's reduce-scatter part and all-gather mean
         self.at: list = [("reduce-scatter", 0)] * len(ring)  # where each chunk's walk waits
         for c, slices in enumerate(ring):
             key = self.base + c * steps
@@ -483,13 +486,7 @@ class _Ring(_InFlight):
                 syncer._give(into)
         return received
 
-    def _waits(self):
-        return [w for w, _ in self.parts.values()] + [w for w, _, _ in self.gathers.values()]
-
-    def _timed_out(self) -> None:
-        self.timer = None
-        if self.future.done():
-            return
+    def _late(self) -> SyncTimeout:
         syncer = self.syncer
         waiting = [(c, at) for c, at in enumerate(self.at) if at is not None]
         if waiting:
@@ -498,4 +495,4 @@ class _Ring(_InFlight):
             what, late = f"{phase} step {s} of chunk {c} from rank {prev}", []
         else:
             what, late = "sending its parts", []
-        self._fail(syncer._timed_out(self.bucket, self.clock, what, late))
+        return syncer._timeout_error(self.bucket, self.clock, what, late)
