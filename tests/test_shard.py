@@ -263,3 +263,20 @@ def test_reduce_mean_is_the_rank_ordered_sum_divided(workers, data, seed):
     assert reduce_mean(slots, contributors, out) is out
     assert np.array_equal(out, expected)
     assert np.array_equal(reduce_mean(slots, contributors), expected)
+
+
+def test_server_state_of_other_sizes_is_refused_naming_the_messages():
+    # A trainer checkpoint keeps the shard's own optimizer state by message id; a book that cuts
+    # the messages otherwise (another model, plan or release) must not take it silently.
+    from poseidon_aio.errors import CheckpointError
+    from poseidon_aio.ps.config import ServerSGD
+    from poseidon_aio.ps.sgd import ServerOptimizer
+
+    opt = ServerOptimizer(ServerSGD(lr=0.1), 2, {0: np.dtype(np.float32), 1: np.dtype(np.float32)})
+    state = {f"{k}{m}": np.zeros(n, np.float32) for m, n in ((0, 4), (1, 3)) for k in "wv"}
+    with pytest.raises(CheckpointError, match=r"shard 2: the saved state has other sizes for messages \[1\]"):
+        opt.load(state, {0: 4, 1: 5})
+    with pytest.raises(CheckpointError, match=r"no parameters for messages \[7\]"):
+        opt.load(state, {0: 4, 7: 3})
+    opt.load(state, {0: 4, 1: 3})
+    assert opt.has(0) and opt.values(1).shape == (3,)

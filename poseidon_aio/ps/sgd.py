@@ -3,7 +3,7 @@ KV store does), sending parameters instead of gradients; and the checkpoints of 
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Mapping, Optional
 
 import numpy as np
 
@@ -74,17 +74,22 @@ class ServerOptimizer:
             out[f"v{mid}"] = self._momentum[mid].copy()
         return out
 
-    def load(self, state: dict, needed: Iterable[int]) -> None:
-        """Take a checkpoint's arrays.
+    def load(self, state: dict, needed: Mapping[int, int]) -> None:
+        """Take a checkpoint's arrays; ``needed``: message id -> its elements.
 
         Raises:
-            CheckpointError: a message in ``needed`` has none (another model, plan or cluster shape).
+            CheckpointError: a message in ``needed`` has none, or another size (the state was taken
+                with another model, merge plan, cluster shape or information book).
         """
         missing = sorted(mid for mid in needed if f"w{mid}" not in state)
-        if missing:
+        wrong = sorted(
+            mid for mid, numel in needed.items() if mid not in missing and np.asarray(state[f"w{mid}"]).size != numel
+        )
+        if missing or wrong:
+            which = f"no parameters for messages {missing[:8]}" if missing else f"other sizes for messages {wrong[:8]}"
             raise CheckpointError(
-                f"shard {self.shard}: the saved state has no parameters for messages {missing[:8]}: it was taken with "
-                "another model, merge plan or cluster shape"
+                f"shard {self.shard}: the saved state has {which}: it was taken with another model, merge plan, "
+                "cluster shape or poseidon_aio release"
             )
         for name, array in state.items():
             mid = int(name[1:])

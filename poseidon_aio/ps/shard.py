@@ -125,7 +125,7 @@ class KVShard:
         self._closed = False
         self._quorum = config.stragglers.quorum_of(self.workers)
         if state is not None and self._sgd is not None:
-            self._sgd.load(state, [mid for mid in self._messages if mid not in self._rebuilt])
+            self._sgd.load(state, {mid: self._numel[mid] for mid in self._messages if mid not in self._rebuilt})
 
     # -- connections ------------------------------------------------------------------------
 
