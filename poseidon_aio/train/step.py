@@ -167,14 +167,12 @@ def carved(flat: torch.Tensor, tensors: list) -> list:
 def back_to_back(params: list) -> dict:
     """``{i: tensor}`` shaped like ``params[i]``: views of one contiguous buffer per (device,
     dtype), in the given order."""
-    sizes: dict = {}
-    for p in params:
-        sizes[(p.device, p.dtype)] = sizes.get((p.device, p.dtype), 0) + p.numel()
-    flat = {k: torch.empty(n, dtype=k[1], device=k[0]) for k, n in sizes.items()}
-    offset = dict.fromkeys(flat, 0)
-    views = {}
+    by_kind: dict = {}
     for i, p in enumerate(params):
-        k, at = (p.device, p.dtype), offset[(p.device, p.dtype)]
-        views[i] = flat[k][at : at + p.numel()].view(p.shape)
-        offset[k] = at + p.numel()
-    return views
+        by_kind.setdefault((p.device, p.dtype), []).append(i)
+    views = {}
+    for (device, dtype), ids in by_kind.items():
+        members = [params[i] for i in ids]
+        flat = torch.empty(sum(p.numel() for p in members), dtype=dtype, device=device)
+        views.update(zip(ids, carved(flat, members)))
+    return dict(sorted(views.items()))
