@@ -14,8 +14,9 @@ counters (``/sys/class/net/eth0/statistics``) by its local rank 0 over the timed
 counted by us. ``--device cuda`` puts every worker's model and batch on the machine's one GPU (real
 compute only). ``--links loopback`` starts the torchruns on this host's loopback without namespaces
 (nothing capped, no link of a host's own to count: step times only), where namespaces or tc are
-missing. The last line is one JSON object: ``max_bytes_vs_flat`` (the largest ratio of a
-row's bytes by host to flat), ``min_speedup_vs_ddp`` and the rows.
+missing. The CPU a step is the job's, every thread of every rank (bench train's). The last line is
+one JSON object: ``max_bytes_vs_flat`` (the largest ratio of a row's bytes by host to flat),
+``min_speedup_vs_ddp``, ``max_cpu_vs_ddp`` and the rows.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import sys
 import tempfile
 import time
 
-from bench import BENCH_TOKEN, free_port
+from bench import BENCH_TOKEN, free_port, job_cpu
 
 RATES = {"1gbit": 1e9 / 8, "100mbit": 100e6 / 8}
 
@@ -60,6 +61,9 @@ def run(impl: str, model: str, compute: str, link: str, hosts: int, local: int, 
         group_spread_bytes=None,
         iface=None if link == "loopback" else "eth0",
         device=args.device,
+        link=f"{link}-{hosts}x{local}",
+        profile=args.profile and os.path.abspath(args.profile),
+        native=not os.environ.get("BENCH_PROFILE_NONBLOCKING"),
     )
     world = hosts * local
     spaces = contextlib.nullcontext([None] * hosts) if link == "loopback" else netns.hosts(hosts, link)
@@ -108,7 +112,12 @@ def run(impl: str, model: str, compute: str, link: str, hosts: int, local: int, 
     leaders = [ranks[h * local] for h in range(hosts)]  # torchrun's static ranks: host h's first is h * L
     per_step = [max(r["iface"]["tx"], r["iface"]["rx"]) / args.steps for r in leaders if "iface" in r]
     host_bytes = max(per_step) if per_step else None  # loopback: no link of a host's own to read
-    return {"step_s": statistics.median(steps), "host_bytes": host_bytes, "schemes": ranks[0].get("schemes")}
+    return {
+        "step_s": statistics.median(steps),
+        "cpu_s": job_cpu(ranks),
+        "host_bytes": host_bytes,
+        "schemes": ranks[0].get("schemes"),
+    }
 
 
 def main(argv=None) -> dict:
@@ -125,10 +134,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--device-tflops", type=float, default=6.0)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: every worker's model on the one GPU")
+    parser.add_argument(
+        "--profile", default=None, help="folder: py-spy samples every rank over its timed steps (bench/profile.py)"
+    )
     args = parser.parse_args(argv)
     if args.worker:
         worker(json.loads(args.worker))
         return {}
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     from bench import netns
 
     if args.device != "cpu" and "replayed" in args.compute.split(","):
@@ -155,6 +169,7 @@ def main(argv=None) -> dict:
         "bench": "hosts",
         "max_bytes_vs_flat": max((r["bytes_vs_flat"] for r in rows if r.get("bytes_vs_flat")), default=None),
         "min_speedup_vs_ddp": min((r["vs_ddp"] for r in rows if r.get("vs_ddp")), default=None),
+        "max_cpu_vs_ddp": max((r["cpu_vs_ddp"] for r in rows if r.get("cpu_vs_ddp")), default=None),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "device": args.device,
         "rows": rows,
@@ -169,6 +184,7 @@ def _row(link, compute, model, layout, runs) -> dict:
         counted = [g["host_bytes"] for g in got if g["host_bytes"] is not None]
         row[impl] = {
             "step_s": statistics.median(g["step_s"] for g in got),
+            "cpu_s": statistics.median(g["cpu_s"] for g in got),
             "host_bytes": statistics.median(counted) if counted else None,
         }
     ours, flat, ddp = runs.get("poseidon"), runs.get("poseidon:hosts=flat"), runs.get("ddp")
@@ -178,22 +194,25 @@ def _row(link, compute, model, layout, runs) -> dict:
         ratios = sorted(d["step_s"] / o["step_s"] for o, d in zip(ours, ddp))
         row["vs_ddp"] = statistics.median(ratios)
         row["vs_ddp_range"] = [ratios[0], ratios[-1]]
+        row["cpu_vs_ddp"] = statistics.median(o["cpu_s"] / d["cpu_s"] for o, d in zip(ours, ddp))
     return row
 
 
 def _line(row: dict) -> str:
     cells = [row["link"], row["compute"], row["model"], row["layout"]]
-    for impl in ("ddp", "poseidon", "poseidon:hosts=flat"):
-        if impl in row:
-            sent = row[impl]["host_bytes"]
-            cells.append(
-                f"{impl} {row[impl]['step_s'] * 1e3:.1f} ms" + (f", {sent / 1e6:.2f} MB/host/step" if sent else "")
-            )
+    for impl, got in ((k, v) for k, v in row.items() if isinstance(v, dict)):  # every implementation, in order
+        sent = got["host_bytes"]
+        cells.append(
+            f"{impl} {got['step_s'] * 1e3:.1f} ms, CPU {got['cpu_s'] * 1e3:.1f} ms"
+            + (f", {sent / 1e6:.2f} MB/host/step" if sent else "")
+        )
     if "bytes_vs_flat" in row:
         cells.append(f"bytes by host / flat {row['bytes_vs_flat']:.2f}")
     if "vs_ddp" in row:
         lo, hi = row["vs_ddp_range"]
         cells.append(f"vs DDP {row['vs_ddp']:.2f} ({lo:.2f}-{hi:.2f})")
+    if "cpu_vs_ddp" in row:
+        cells.append(f"CPU / DDP's {row['cpu_vs_ddp']:.2f}")
     return "| " + " | ".join(cells) + " |"
 
 
