@@ -186,6 +186,85 @@ def test_sigterm_stops_every_rank_quietly_with_one_line_each():
     ], err[-3000:]
 
 
+def _ranks_until_stopped(world: int) -> list:
+    """``world`` ranks of tests/data/steps_until_stopped.py started one by one (no launcher), each
+    past its first step."""
+    from .support.cluster import JOB_TOKEN, free_port
+
+    port = free_port()
+    jobs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "POSEIDON_TOKEN": JOB_TOKEN,
+            "POSEIDON_ERRORS": "brief",
+        }
+        script = ["tests/data/steps_until_stopped.py"]
+        jobs.append(
+            subprocess.Popen(
+                [sys.executable, *script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
+            )
+        )
+    for job in jobs:
+        line = job.stdout.readline()
+        if not line:
+            for j in jobs:
+                j.kill()
+            raise AssertionError(f"a rank ended before its first step: {job.stderr.read()[-3000:]}")
+    return jobs
+
+
+def _poseidon_lines(job) -> tuple:
+    try:
+        _, err = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert "Traceback" not in err, err[-3000:]
+    return job.returncode, [line for line in err.splitlines() if line.startswith("poseidon")]
+
+
+@pytest.mark.slow
+def test_a_rank_signalled_after_its_peer_still_says_it_was_stopped():
+    # A launcher signals its ranks one after another; here rank 1's comes 0.5 s after rank 0's,
+    # long after rank 0 has told it why it leaves: rank 1 still ends as stopped, not failed.
+    import signal
+    import time
+
+    jobs = _ranks_until_stopped(2)
+    try:
+        jobs[0].send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        jobs[1].send_signal(signal.SIGTERM)
+        got = [_poseidon_lines(job) for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+    assert got == [(143, [f"poseidon_aio rank {r}: stopped by SIGTERM"]) for r in range(2)], got
+
+
+@pytest.mark.slow
+def test_a_rank_whose_peer_alone_was_stopped_says_so_and_fails():
+    import signal
+
+    jobs = _ranks_until_stopped(2)
+    try:
+        jobs[0].send_signal(signal.SIGTERM)
+        got = [_poseidon_lines(job) for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+    assert got[0] == (143, ["poseidon_aio rank 0: stopped by SIGTERM"]), got
+    code, lines = got[1]
+    assert code == 1 and len(lines) == 1, got
+    assert "rank 1" in lines[0] and "rank 0" in lines[0] and "stopped by SIGTERM" in lines[0], got
+
+
 def _hosts_job(commands: list, env: dict) -> list:
     """Start one launcher per emulated host (all on loopback), wait for all; the ranks' lines."""
     jobs = [

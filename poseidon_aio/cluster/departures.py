@@ -19,6 +19,8 @@ import json
 from typing import Awaitable, Callable, Mapping, Optional, TypeVar
 
 from ..errors import ConnectionLost, WorkerLeft
+from ..net.endpoint import silence
+from ..net.loop import stopped_by
 from ..wire import DType, Kind
 
 T = TypeVar("T")
@@ -27,6 +29,7 @@ FINISHED_KEY = 1  # the CONTROL frame key of "I have finished" (clock 0)
 FAILED_KEY = 2  # the CONTROL frame key of "my step failed, and why" (clock 0)
 # A reason is one line for a person to read; a peer's longer one is cut.
 _REASON_MAX = 600
+_SIGNALS = ("SIGTERM", "SIGINT")  # the signals a peer may say it was stopped by
 
 
 class Departures:
@@ -46,6 +49,7 @@ class Departures:
         self._any = asyncio.get_running_loop().create_future()  # set once some peer has finished
         self._listeners: list = []
         self.stopped: dict = {}  # rank -> why its step failed, as it said
+        self.signalled: dict = {}  # rank -> the signal that stopped it, as it said
         self.failure: Optional[BaseException] = None  # this rank's first failed sync
         self._heard = {q: conn.expect(Kind.CONTROL, FINISHED_KEY, 0) for q, conn in self.peers.items()}
         for q, fut in self._heard.items():
@@ -78,12 +82,15 @@ class Departures:
         if fut.cancelled() or fut.exception() is not None:
             return
         try:
-            text = json.loads(bytes(fut.result().payload))["error"]
+            said = json.loads(bytes(fut.result().payload))
+            text = said["error"]
             if not isinstance(text, str):
                 raise ValueError(text)
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-            text = "its step failed (it sent an unreadable reason)"
+            said, text = {}, "its step failed (it sent an unreadable reason)"
         self.stopped[q] = text[:_REASON_MAX].replace("\n", " ")
+        if said.get("signal") in _SIGNALS:
+            self.signalled[q] = said["signal"]
 
     def listen(self, listener: Callable[[int], None]) -> Callable[[], None]:
         """Call ``listener(rank)`` for every peer that has finished and every one that will;
@@ -149,22 +156,31 @@ class Departures:
             return lost
         q = min(self.stopped)
         who = f"rank {q}{getattr(self.peers[q], 'peer_host', '')}"
-        return ConnectionLost(f"rank {self.rank}: {who} stopped: {self.stopped[q]}")
+        exc = ConnectionLost(f"rank {self.rank}: {who} stopped: {self.stopped[q]}")
+        exc.peer_signal = self.signalled.get(q)  # (net.loop.run waits a moment for this rank's own)
+        return exc
 
     async def fail(self, timeout: float) -> None:
-        """Tell every peer why this rank's step failed (:attr:`failure`), before its links
-        close; best effort, at most ``timeout`` seconds."""
-        if self.failure is None:
+        """Tell every peer why this rank's step failed (:attr:`failure`), or that a signal is
+        stopping it, before its links close; best effort, at most ``timeout`` seconds."""
+        signal = stopped_by()
+        if signal is not None:
+            said = {"error": f"stopped by {signal}", "signal": signal}
+        elif self.failure is not None:
+            said = {"error": f"{type(self.failure).__name__}: {self.failure}"[:_REASON_MAX]}
+        else:
             return
-        text = f"{type(self.failure).__name__}: {self.failure}"[:_REASON_MAX]
-        body = json.dumps({"error": text}).encode()
+        body = json.dumps(said).encode()
         sends = [
             conn.send(Kind.CONTROL, body, key=FAILED_KEY, clock=0, dtype=DType.JSON)
             for q, conn in self.peers.items()
             if q not in self.gone and conn.is_open
         ]
         if sends:
-            await asyncio.wait([asyncio.ensure_future(s) for s in sends], timeout=timeout)
+            tasks = [asyncio.ensure_future(s) for s in sends]
+            for task in tasks:  # (a peer that left meanwhile: nobody to tell, nothing to report)
+                task.add_done_callback(silence)
+            await asyncio.wait(tasks, timeout=timeout)
 
     async def finish(self, steps: int, timeout: float) -> None:
         """Tell every peer this rank has finished after ``steps`` steps, and return once every

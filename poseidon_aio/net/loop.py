@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -42,47 +43,85 @@ def run(main: Coroutine[Any, Any, T], *, debug: bool | None = None) -> T:
     :class:`~poseidon_aio.errors.PoseidonError` ends the process with one line on stderr naming
     the rank and the cause, instead of a traceback per rank; other exceptions (bugs) keep theirs.
     SIGTERM (a launcher stopping the job) cancels ``main``, so a trainer leaves the job and its
-    parameter server cleanly, and ends the process with one line and exit code 143.
+    parameter server cleanly, and ends the process with one line and exit code 143. A rank whose
+    step failed because a peer was stopped by a signal waits up to ``SIGNAL_GRACE_S`` for its own
+    before it reports the peer's.
 
     >>> async def answer(): return 42
     >>> run(answer())
     42
     """
-    terminated: list = []
+    terminated = _STOPPED_BY
+    terminated.clear()
+    running: dict = {}  # the task of ``main`` and its loop, while it runs
+
+    def stop(signum, frame) -> None:
+        # A Python-level handler, as asyncio.Runner's for SIGINT: it runs at the main thread's
+        # next bytecode, so a peer's GOODBYE that the loop takes first (the launcher stops
+        # every rank) is still seen as this rank's SIGTERM, not as the peer's error.
+        terminated.append(signal.Signals(signum).name)
+        # Every rank is being stopped: the peers a shard or a link loses now are no news.
+        logging.getLogger("poseidon_aio").setLevel(logging.ERROR)
+        if running:
+            with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
+                running["loop"].call_soon_threadsafe(running["task"].cancel)
 
     async def until_terminated() -> T:
-        task, loop = asyncio.current_task(), asyncio.get_running_loop()
-
-        def stop(signum, frame) -> None:
-            # A Python-level handler, as asyncio.Runner's for SIGINT: it runs at the main thread's
-            # next bytecode, so a peer's GOODBYE that the loop takes first (the launcher stops
-            # every rank) is still seen as this rank's SIGTERM, not as the peer's error.
-            terminated.append(True)
-            # Every rank is being stopped: the peers a shard or a link loses now are no news.
-            logging.getLogger("poseidon_aio").setLevel(logging.ERROR)
-            loop.call_soon_threadsafe(task.cancel)
-
-        try:
-            previous = signal.signal(signal.SIGTERM, stop)
-        except ValueError:  # not the main thread: the caller handles its signals
-            return await main
+        running.update(task=asyncio.current_task(), loop=asyncio.get_running_loop())
         try:
             return await main
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            running.clear()
 
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: the caller handles its signals
+        previous = None
     rank = os.environ.get("RANK", "?")
     try:
         with asyncio.Runner(loop_factory=new_event_loop, debug=debug) as runner:
             return runner.run(until_terminated())
     except BaseException as exc:
+        if not terminated and previous is not None and _peer_signal(exc):
+            # A peer was stopped by a signal: the launcher stopping the job signals its ranks one
+            # after another, so this rank's own may be on its way; its line is then that one.
+            deadline = time.monotonic() + SIGNAL_GRACE_S
+            while not terminated and time.monotonic() < deadline:
+                time.sleep(0.01)
         if terminated:
-            _say(f"poseidon_aio rank {rank}: stopped by SIGTERM")
-            raise SystemExit(128 + signal.SIGTERM) from None
+            _say(f"poseidon_aio rank {rank}: stopped by {terminated[0]}")
+            raise SystemExit(128 + signal.Signals[terminated[0]]) from None
         if not isinstance(exc, PoseidonError) or os.environ.get(ERRORS_ENV) != "brief":
             raise
         _say(f"poseidon_aio rank {rank}: {type(exc).__name__}: {exc}")
         raise SystemExit(1) from None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+# How long a rank whose peer was stopped by a signal waits for its own before it reports the
+# peer's: longer than a launcher takes between one rank's signal and the next, even on a busy host.
+SIGNAL_GRACE_S = 2.0
+_STOPPED_BY: list = []  # the signal that is stopping this process under run(), once one has come
+
+
+def stopped_by() -> Optional[str]:
+    """The name of the signal stopping this process (``"SIGTERM"``) under :func:`run`, else None:
+    a trainer that is being left tells its peers so, instead of just closing its links."""
+    return _STOPPED_BY[0] if _STOPPED_BY else None
+
+
+def _peer_signal(exc: BaseException) -> Optional[str]:
+    """The signal a peer said it was stopped by, where ``exc`` (or an error it came from) is the
+    loss of that peer (:attr:`ConnectionLost.peer_signal`)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if getattr(exc, "peer_signal", None):
+            return exc.peer_signal
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _say(line: str) -> None:
