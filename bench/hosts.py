@@ -117,6 +117,8 @@ def run(impl: str, model: str, compute: str, link: str, hosts: int, local: int, 
         "cpu_s": job_cpu(ranks),
         "host_bytes": host_bytes,
         "schemes": ranks[0].get("schemes"),
+        "groups": ranks[0].get("groups"),
+        "plan": ranks[0].get("plan"),
     }
 
 
