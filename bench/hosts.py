@@ -14,9 +14,11 @@ counters (``/sys/class/net/eth0/statistics``) by its local rank 0 over the timed
 counted by us. ``--device cuda`` puts every worker's model and batch on the machine's one GPU (real
 compute only). ``--links loopback`` starts the torchruns on this host's loopback without namespaces
 (nothing capped, no link of a host's own to count: step times only), where namespaces or tc are
-missing. The CPU a step is the job's, every thread of every rank (bench train's). The last line is
-one JSON object: ``max_bytes_vs_flat`` (the largest ratio of a row's bytes by host to flat),
-``min_speedup_vs_ddp``, ``max_cpu_vs_ddp`` and the rows.
+missing. The CPU a step is the job's, every thread of every rank (bench train's); the JSON rows
+also carry the TCP segments the hosts' links retransmitted a step (the most over the repeats:
+whether a row's time went to loss). The last line is one JSON object: ``max_bytes_vs_flat`` (the
+largest ratio of a row's bytes by host to flat), ``min_speedup_vs_ddp``, ``max_cpu_vs_ddp`` and
+the rows.
 """
 
 from __future__ import annotations
@@ -112,8 +114,11 @@ def run(impl: str, model: str, compute: str, link: str, hosts: int, local: int, 
     leaders = [ranks[h * local] for h in range(hosts)]  # torchrun's static ranks: host h's first is h * L
     per_step = [max(r["iface"]["tx"], r["iface"]["rx"]) / args.steps for r in leaders if "iface" in r]
     host_bytes = max(per_step) if per_step else None  # loopback: no link of a host's own to read
+    retrans = [r["tcp"]["retrans_segs"] / args.steps for r in leaders if "tcp" in r]
     return {
         "step_s": statistics.median(steps),
+        "steps_s": steps,
+        "retrans_segs": sum(retrans) if retrans else None,  # every host's, a step
         "cpu_s": job_cpu(ranks),
         "host_bytes": host_bytes,
         "schemes": ranks[0].get("schemes"),
@@ -187,6 +192,7 @@ def _row(link, compute, model, layout, runs) -> dict:
         row[impl] = {
             "step_s": statistics.median(g["step_s"] for g in got),
             "cpu_s": statistics.median(g["cpu_s"] for g in got),
+            "retrans_segs": max((g["retrans_segs"] or 0 for g in got), default=0),
             "host_bytes": statistics.median(counted) if counted else None,
         }
     ours, flat, ddp = runs.get("poseidon"), runs.get("poseidon:hosts=flat"), runs.get("ddp")

@@ -84,6 +84,8 @@ def worker(cfg: dict) -> None:
     counting = cfg.get("iface") and os.environ.get("LOCAL_RANK", "0") == "0"
     iface = {}
 
+    if counting:
+        from bench.netns import tcp_counters
     sampler = None
     if cfg.get("profile"):
         from bench.profile import Sampler
@@ -99,6 +101,7 @@ def worker(cfg: dict) -> None:
             for way in ("tx", "rx"):
                 with open(f"/sys/class/net/{cfg['iface']}/statistics/{way}_bytes") as f:
                     iface[(when, way)] = int(f.read())
+            iface[(when, "tcp")] = tcp_counters()  # the namespace's: what its link lost
 
     if impl_variant(cfg["impl"])[0] == "ddp":
         import torch.distributed as dist
@@ -208,6 +211,7 @@ def worker(cfg: dict) -> None:
         }
     if counting:
         extra["iface"] = {way: iface[("end", way)] - iface[("start", way)] for way in ("tx", "rx")}
+        extra["tcp"] = {k: v - iface[("start", "tcp")][k] for k, v in iface[("end", "tcp")].items()}
     with open(cfg["out"], "w") as f:
         json.dump({"times": times[cfg["warmup"] :], "cpu": cpu[cfg["warmup"] :], **extra}, f)
     # gloo's teardown can hang once peers are gone; the result is written, leave at once.
