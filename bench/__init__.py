@@ -1,6 +1,6 @@
 """Benchmarks: ``python -m bench <name>``."""
 
-import socket
+from poseidon_aio.cluster.launcher import free_port
 
 # The token the bench's local workers share (handed over in their environment, as a launcher would).
 BENCH_TOKEN = "bench-local-job-token-0123456789abcdef"
@@ -35,13 +35,6 @@ def rank_env(rank: int, world: int, port: int, master: str = "127.0.0.1") -> dic
         "MASTER_PORT": str(port),
         "POSEIDON_TOKEN": BENCH_TOKEN,
     }
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (for a job's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(module: str, world: int, cfg: dict, *, namespaces=None, timeout: float = 900, what: str = "") -> list:

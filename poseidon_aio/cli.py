@@ -409,6 +409,7 @@ def _run(args: argparse.Namespace) -> int:
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
+    from .cluster.launcher import free_port
     from .errors import ConfigError
     from .net.credentials import TOKEN_ENV, TOKEN_FILE_ENV, self_signed, tls_env, token_from_env
 
@@ -451,16 +452,17 @@ def _run(args: argparse.Namespace) -> int:
     os.environ.update(env)
     master = args.master_addr or "127.0.0.1"
     port = args.master_port
-    if args.node_rank == 0:  # this host's agent hosts the store: a port in use fails here, in one line
+    if args.node_rank == 0 and not port:  # this host's agent hosts the store
+        port = free_port("127.0.0.1" if hosts == 1 else "")
+    elif args.node_rank == 0:  # a port in use fails here, in one line
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1" if hosts == 1 else "", port or 0))
+                s.bind(("127.0.0.1" if hosts == 1 else "", port))
             except OSError as exc:
                 raise ConfigError(
                     f"--master-port {port} cannot be used here ({exc.strerror}): another job may hold it; "
                     "give another port, or leave --master-port out for a free one"
                 ) from None
-            port = s.getsockname()[1]
     torch_args = get_args_parser().parse_args(
         [
             f"--nproc-per-node={args.nproc}",

@@ -189,22 +189,12 @@ def test_sigterm_stops_every_rank_quietly_with_one_line_each():
 def _ranks_until_stopped(world: int) -> list:
     """``world`` ranks of tests/data/steps_until_stopped.py started one by one (no launcher), each
     past its first step."""
-    from .support.cluster import JOB_TOKEN, free_port
+    from .support.cluster import free_port, rank_env
 
     port = free_port()
     jobs = []
     for rank in range(world):
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "POSEIDON_TOKEN": JOB_TOKEN,
-            "POSEIDON_ERRORS": "brief",
-        }
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **rank_env(rank, world, port), "POSEIDON_ERRORS": "brief"}
         script = ["tests/data/steps_until_stopped.py"]
         jobs.append(
             subprocess.Popen(

@@ -448,3 +448,15 @@ def test_the_cost_model_sends_an_embedding_s_rows_once_a_host_pair():
     by_host = predicted_time(emb, Scheme.ROWS, 8, 8, link, hosts=Hosts(2, 4))  # a host's 4, to 1 host
     assert flat == pytest.approx(link.beta * 4 * 512 * 65 * 7)
     assert by_host == pytest.approx(link.beta * 4 * 512 * 65 * 4)
+
+
+def test_a_launchers_free_port_is_drawn_below_the_ephemeral_range_and_can_be_bound():
+    # A port from the ephemeral range can be taken as a source port by any connection opened on
+    # this host before the store binds it; the launcher's is drawn below that range.
+    from poseidon_aio.cluster.launcher import _ephemeral_low, free_port
+
+    ports = {free_port() for _ in range(20)}
+    assert all(10000 <= p < _ephemeral_low() for p in ports), ports
+    assert len(ports) > 1  # drawn, not a fixed port two jobs would share
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))

@@ -201,26 +201,19 @@ def test_the_ddp_script_and_its_port_train_alike_and_save_a_bare_model(tmp_path)
     accuracies, states = {}, {}
     for name in ("ddp_loop", "poseidon_loop"):
         saved = tmp_path / f"{name}.pt"
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "poseidon_aio.cli",
-                "run",
-                "-n",
-                "2",
-                f"examples/{name}.py",
-                "--epochs",
-                "2",
-                "--save",
-                str(saved),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
+        command = [sys.executable, "-m", "poseidon_aio.cli", "run", "-n", "2", f"examples/{name}.py"]
+        try:  # (within pytest's own timeout, so that a job that hangs shows what it said)
+            done = subprocess.run(
+                [*command, "--epochs", "2", "--save", str(saved)],
+                capture_output=True,
+                text=True,
+                timeout=90,
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+            )
+        except subprocess.TimeoutExpired as hung:
+            said = [x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (hung.stdout, hung.stderr)]
+            pytest.fail(f"{name} did not finish in 90 s:\n" + "\n".join(said)[-4000:])
         assert done.returncode == 0, done.stderr[-3000:]
         last = done.stdout.strip().splitlines()[-1]
         accuracies[name] = float(last.rsplit("test accuracy ", 1)[1].rstrip("%"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import random
 import socket
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -141,3 +142,35 @@ def advertise_host(master_addr: str) -> str:
             return probe.getsockname()[0]
         except OSError:
             return socket.gethostbyname(socket.gethostname())
+
+
+# Its own source: a user's seeding of the random module must not make two jobs draw alike.
+_PORTS = random.SystemRandom()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for the rendezvous store a launcher binds a moment later:
+    drawn below the kernel's ephemeral range, where no connection opened meanwhile on this host
+    takes it as its source port (``bind(0)`` draws from that range, and on a busy host lost that
+    race: the store's bind failed, or its clients reached another socket)."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = _PORTS.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that range is full: the kernel's choice
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: IANA's range starts here
+        low = 49152
+    return max(low, 10001)

@@ -11,44 +11,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
-import random
-import socket
 import time
 import traceback
 
+from poseidon_aio.cluster.launcher import free_port
 
 JOB_TOKEN = "tests-cluster-token-0123456789abcdef"
-
-
-# Its own source: hypothesis seeds the random module's, alike in every pytest worker.
-_PORTS = random.SystemRandom()
-
-
-def free_port() -> int:
-    """A port free now, for a store a child binds later: below the kernel's ephemeral range, so
-    that no connection another test opens meanwhile takes it as its source port (bind(0) draws
-    from that range, and lost that race to a busy suite's connects: EADDRINUSE)."""
-    low = _ephemeral_low()
-    for _ in range(64):
-        port = _PORTS.randrange(10000, low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    return max(low, 10001)
 
 
 # What every child needs before it can run a line of a test: importing these costs 1.2-1.6 s of CPU
@@ -92,6 +60,19 @@ class WorkerFailed(AssertionError):
         self.rank, self.kind, self.message = rank, kind, message
 
 
+def rank_env(rank: int, world: int, port: int) -> dict:
+    """What a launcher gives rank ``rank`` of a one-host job on loopback."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        # The launcher hands every worker the job's token (never through the store).
+        "POSEIDON_TOKEN": JOB_TOKEN,
+    }
+
+
 def start_workers(world: int, target, *args, port: int | None = None, env=None):
     """``env``: more variables for every rank, a dict or a function of the rank (called here, in
     the parent)."""
@@ -100,16 +81,7 @@ def start_workers(world: int, target, *args, port: int | None = None, env=None):
     port = port or free_port()
     procs = []
     for rank in range(world):
-        penv = {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            # The launcher hands every worker the job's token (never through the store).
-            "POSEIDON_TOKEN": JOB_TOKEN,
-            **((env(rank) if callable(env) else env) or {}),
-        }
+        penv = {**rank_env(rank, world, port), **((env(rank) if callable(env) else env) or {})}
         p = ctx.Process(target=_entry, args=(rank, penv, out, target, args), daemon=True)
         p.start()
         procs.append(p)
