@@ -93,6 +93,7 @@ def main():
     if rank == 0:
         torch.save(net.state_dict(), args.save)
     dist.barrier()
+    del model  # DDP's reducer holds the group; freed first, gloo's teardown waits without the GIL (torch #56297)
     dist.destroy_process_group()
 
 
