@@ -193,6 +193,7 @@ def test_the_port_of_a_ddp_script_changes_only_the_lines_that_make_the_trainer_a
 @pytest.mark.slow
 def test_the_ddp_script_and_its_port_train_alike_and_save_a_bare_model(tmp_path):
     import os
+    import signal
     import subprocess
     import sys
 
@@ -202,18 +203,24 @@ def test_the_ddp_script_and_its_port_train_alike_and_save_a_bare_model(tmp_path)
     for name in ("ddp_loop", "poseidon_loop"):
         saved = tmp_path / f"{name}.pt"
         command = [sys.executable, "-m", "poseidon_aio.cli", "run", "-n", "2", f"examples/{name}.py"]
-        try:  # (within pytest's own timeout, so that a job that hangs shows what it said)
-            done = subprocess.run(
-                [*command, "--epochs", "2", "--save", str(saved)],
-                capture_output=True,
-                text=True,
-                timeout=90,
-                cwd=ROOT,
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
-            )
-        except subprocess.TimeoutExpired as hung:
-            said = [x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (hung.stdout, hung.stderr)]
-            pytest.fail(f"{name} did not finish in 90 s:\n" + "\n".join(said)[-4000:])
+        # Its own session, so that a job that hangs is stopped whole (the launcher and its ranks),
+        # within pytest's own timeout and with what it said.
+        job = subprocess.Popen(
+            [*command, "--epochs", "2", "--save", str(saved)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            start_new_session=True,
+        )
+        try:
+            out, err = job.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGKILL)
+            out, err = job.communicate()
+            pytest.fail(f"{name} did not finish in 90 s:\n{out}\n{err}"[-4000:])
+        done = subprocess.CompletedProcess(job.args, job.returncode, out, err)
         assert done.returncode == 0, done.stderr[-3000:]
         last = done.stdout.strip().splitlines()[-1]
         accuracies[name] = float(last.rsplit("test accuracy ", 1)[1].rstrip("%"))
