@@ -11,6 +11,8 @@ to do about it.
 
 from __future__ import annotations
 
+from typing import Optional
+
 __all__ = [
     "PoseidonError",
     "ConfigError",
@@ -106,7 +108,16 @@ class WireVersionMismatch(FrameError, VersionMismatch):
 
 
 class ConnectionLost(PoseidonError, ConnectionError):
-    """A connection closed or broke while something was waiting on it."""
+    """A connection closed or broke while something was waiting on it.
+
+    Attributes:
+        peer_signal: the signal the peer said it was stopped by (``"SIGTERM"``), where it said
+            one before it left; else None.
+    """
+
+    def __init__(self, message: str, *, peer_signal: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.peer_signal = peer_signal
 
 
 class PeerTimeout(PoseidonError, TimeoutError):

@@ -85,28 +85,24 @@ def test_every_rank_gets_the_same_bits_the_mean_of_the_gradients(world, sizes, c
             assert abs(b - 2 * total * (world - 1) / world) <= 2 * 4 * (world - 1), (b, total, world)
 
 
-def test_a_rank_that_never_starts_ends_the_ring_in_a_timeout_that_names_step_chunk_and_rank():
-    async def go():
-        peers = await mesh(3, 0)
-        syncers = [AllReduceSyncer(r, 3, peers[r], 0.5, 64, "ring") for r in range(3)]
-        bucket = lambda r: Bucket("fc1", [1], [0], [np.empty(96, np.float32)], grads=[np.ones(96, np.float32)])  # noqa: E731
-        # Rank 2 never starts: rank 0 waits for its parts (rank 2 is rank 0's predecessor).
-        return await asyncio.gather(*(syncers[r].start(bucket(r), 7) for r in (0, 1)), return_exceptions=True)
+async def _rank_2_never_starts(algorithm: str, tag: int) -> list:
+    """Ranks 0 and 1 of 3 all-reduce fc1 at clock 7 (a 0.5 s timeout); their errors."""
+    peers = await mesh(3, tag)
+    syncers = [AllReduceSyncer(r, 3, peers[r], 0.5, 64, algorithm) for r in range(3)]
+    bucket = lambda r: Bucket("fc1", [1], [0], [np.empty(96, np.float32)], grads=[np.ones(96, np.float32)])  # noqa: E731
+    return await asyncio.gather(*(syncers[r].start(bucket(r), 7) for r in (0, 1)), return_exceptions=True)
 
-    first, _ = run_async(go())
+
+def test_a_rank_that_never_starts_ends_the_ring_in_a_timeout_that_names_step_chunk_and_rank():
+    # Rank 0 waits for rank 2's parts (rank 2 is rank 0's predecessor).
+    first, _ = run_async(_rank_2_never_starts("ring", 0))
     assert isinstance(first, SyncTimeout)
     assert "rank 0: all-reduce of fc1 at clock 7: reduce-scatter step 0 of chunk 0 from rank 2" in str(first)
 
 
 def test_a_rank_that_never_starts_ends_the_direct_all_reduce_in_a_timeout_that_names_it():
-    async def go():
-        peers = await mesh(3, 2)
-        syncers = [AllReduceSyncer(r, 3, peers[r], 0.5, 64, "direct") for r in range(3)]
-        bucket = lambda r: Bucket("fc1", [1], [0], [np.empty(96, np.float32)], grads=[np.ones(96, np.float32)])  # noqa: E731
-        # Rank 2 never starts: ranks 0 and 1 wait for its parts of the chunks they own.
-        return await asyncio.gather(*(syncers[r].start(bucket(r), 7) for r in (0, 1)), return_exceptions=True)
-
-    for rank, error in enumerate(run_async(go())):
+    # Ranks 0 and 1 wait for rank 2's parts of the chunks they own.
+    for rank, error in enumerate(run_async(_rank_2_never_starts("direct", 2))):
         assert isinstance(error, SyncTimeout), repr(error)
         assert f"rank {rank}: all-reduce of fc1 at clock 7: the other ranks' parts from rank(s) [2]" in str(error)
 

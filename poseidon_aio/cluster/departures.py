@@ -156,9 +156,8 @@ class Departures:
             return lost
         q = min(self.stopped)
         who = f"rank {q}{getattr(self.peers[q], 'peer_host', '')}"
-        exc = ConnectionLost(f"rank {self.rank}: {who} stopped: {self.stopped[q]}")
-        exc.peer_signal = self.signalled.get(q)  # (net.loop.run waits a moment for this rank's own)
-        return exc
+        # (peer_signal: net.loop.run then waits a moment for this rank's own)
+        return ConnectionLost(f"rank {self.rank}: {who} stopped: {self.stopped[q]}", peer_signal=self.signalled.get(q))
 
     async def fail(self, timeout: float) -> None:
         """Tell every peer why this rank's step failed (:attr:`failure`), or that a signal is

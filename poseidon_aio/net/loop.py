@@ -15,7 +15,7 @@ import time
 from concurrent.futures import Executor
 from typing import Any, Callable, Coroutine, Hashable, Optional, TypeVar
 
-from ..errors import PoseidonError
+from ..errors import ConnectionLost, PoseidonError
 from .endpoint import silence
 
 try:
@@ -118,7 +118,7 @@ def _peer_signal(exc: BaseException) -> Optional[str]:
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if getattr(exc, "peer_signal", None):
+        if isinstance(exc, ConnectionLost) and exc.peer_signal:
             return exc.peer_signal
         exc = exc.__cause__ or exc.__context__
     return None
