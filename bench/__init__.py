@@ -6,6 +6,11 @@ from poseidon_aio.cluster.launcher import free_port
 BENCH_TOKEN = "bench-local-job-token-0123456789abcdef"
 
 
+# Untimed steps before a bench times ours: merging is planned after 3 steps, then up to 5 plans run
+# 3 steps each, then one message per layer 3 more (the trial's control).
+MERGE_WARMUP = 22
+
+
 def parse_impl(impl: str, settings: dict) -> tuple:
     """``"poseidon:chunk=262144:merge=single"`` -> ``("poseidon", {"chunk": "262144", ...})``: an
     implementation with settings of its own, so that variants run interleaved with the rest in one

@@ -49,7 +49,7 @@ import statistics
 import sys
 import time
 
-from bench import job_cpu, launch, median_run
+from bench import MERGE_WARMUP, job_cpu, launch, median_run
 from poseidon_aio.units import parse_rate
 
 IMPLS = ["ddp", "ddp_powersgd", "ddp_powersgd_1bucket", "ddp_fp16", "exact", "auto"]
@@ -211,9 +211,8 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--warmup",
         type=int,
-        default=19,
-        help="untimed steps (merging is planned after 3, then up to 5 plans tried for 3 steps each; "
-        "DDP's PowerSGD starts at 2)",
+        default=MERGE_WARMUP,
+        help="untimed steps (bench.MERGE_WARMUP: the merge plan and its trials; DDP's PowerSGD starts at 2)",
     )
     parser.add_argument("--device-tflops", type=float, default=6.0, help="replayed device rate, TFLOP/s")
     parser.add_argument("--timeout", type=float, default=900)

@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 
-from bench import BENCH_TOKEN, free_port, job_cpu
+from bench import BENCH_TOKEN, MERGE_WARMUP, free_port, job_cpu
 
 RATES = {"1gbit": 1e9 / 8, "100mbit": 100e6 / 8}
 
@@ -136,7 +136,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--layouts", default="2x2", help="hosts x workers a host, e.g. 2x2,2x3,3x2")
     parser.add_argument("--impls", default="ddp,poseidon,poseidon:hosts=flat")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=19)
+    parser.add_argument("--warmup", type=int, default=MERGE_WARMUP)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device-tflops", type=float, default=6.0)
     parser.add_argument("--timeout", type=float, default=900)

@@ -41,7 +41,7 @@ import sys
 import time
 from typing import Optional
 
-from bench import launch
+from bench import MERGE_WARMUP, launch
 from bench.paper_report import IMPLS, figures, impl_variant, lower_bound, simulate_beside
 from poseidon_aio.units import parse_rate
 
@@ -318,9 +318,8 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--warmup",
         type=int,
-        default=19,
-        help="untimed iterations of a merging mode "
-        "(merging is planned after 3, then up to 5 plans tried for 3 steps each)",
+        default=MERGE_WARMUP,
+        help="untimed iterations of a merging mode (bench.MERGE_WARMUP: the merge plan and its trials)",
     )
     parser.add_argument(
         "--warmup-plain",

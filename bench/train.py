@@ -39,7 +39,7 @@ import statistics
 import sys
 import time
 
-from bench import job_cpu, launch, median_run, parse_impl
+from bench import MERGE_WARMUP, job_cpu, launch, median_run, parse_impl
 from poseidon_aio.units import parse_rate
 
 IMPLS = ["ddp", "wfbp", "poseidon"]
@@ -292,8 +292,8 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--warmup",
         type=int,
-        default=19,
-        help="untimed steps (merging is planned after 3, then up to 5 plans tried for 3 steps each)",
+        default=MERGE_WARMUP,
+        help="untimed steps (bench.MERGE_WARMUP: the merge plan and its trials)",
     )
     parser.add_argument("--device-tflops", type=float, default=6.0, help="replayed device rate, TFLOP/s")
     parser.add_argument("--timeout", type=float, default=900)

@@ -230,6 +230,7 @@ def test_a_merge_plan_is_kept_only_if_the_slowest_ranks_step_got_faster():
         "noise_s": pytest.approx(0.0025),  # the warm-up steps' median absolute deviation
         "unmerged_cpu_s": None,  # no CPU figures: the time alone decides
         "trials_cpu_s": None,
+        "control_s": None,
         "by": "time",
     }
     assert judge_trial(warm, slower)["kept"] is False

@@ -278,7 +278,7 @@ def test_merged_and_unmerged_syncs_give_bitwise_equal_results_and_one_plan_every
         ("direct-staged", "poseidon", "every-allreduce", "single", {"allreduce": "direct", "force_staging": True}),
         ("two", "mgwfbp", None, "best", {"merge_trial": 1, "two_plans": True}),  # last: it patches the planner
     ]
-    res = run_workers(3, train_worker, spec, 2, runs, 4, 4, {}, timeout=180)
+    res = run_workers(3, train_worker, spec, 2, runs, 6, 4, {}, timeout=180)
     base = res[0]["wfbp"]["params"]
     for label in ("single", "alg1", "optimal", "trial", "best", "single-spread", "alg1-spread", "two"):
         for r in range(3):
@@ -306,7 +306,8 @@ def test_merged_and_unmerged_syncs_give_bitwise_equal_results_and_one_plan_every
         assert res[0][label]["info"]["groups"]
     # Tiny layers on loopback: start-up dominates, so something must have been merged.
     assert len(res[0]["optimal"]["groups"]) < 5
-    # The same plan on trial (warm-up step 0, trial steps 1-2, the verdict's groups at step 3):
+    # The same plan on trial (warm-up step 0, trial steps 1-2, the control's 3-4, the verdict's
+    # groups at step 5):
     # whichever way the machine's load judged it, every rank took the same verdict and groups.
     verdicts = [res[r]["trial"]["info"]["trial"] for r in range(3)]
     assert all(v == verdicts[0] for v in verdicts) and {"kept", "unmerged_s", "planned_s", "planner"} <= set(
@@ -319,7 +320,8 @@ def test_merged_and_unmerged_syncs_give_bitwise_equal_results_and_one_plan_every
     else:
         assert trial["groups"] == [[name] for group in trial["info"]["rejected_groups"] for name in group]
         assert len(trial["info"]["rejected_groups"]) < 5
-    # ``best`` (warm-up step 0, each distinct plan one trial step, the verdict's groups at step 3):
+    # ``best`` (warm-up step 0, each distinct plan one trial step, then the control's, the
+    # verdict's groups by step 5):
     # every rank kept the same one of the planners' plans, or none, and it is what runs.
     verdicts = [res[r]["best"]["info"]["trial"] for r in range(3)]
     assert (
@@ -334,8 +336,8 @@ def test_merged_and_unmerged_syncs_give_bitwise_equal_results_and_one_plan_every
         assert best["groups"] in candidates and best["info"]["planner"] == verdicts[0]["planner"]
     else:
         assert best["groups"] == [[name] for group in candidates[0] for name in group]
-    # Two plans that differ (warm-up step 0, one plan at step 1, the other at step 2, the verdict's
-    # at step 3): both tried, in order, and every rank runs the same one.
+    # Two plans that differ (warm-up step 0, one plan at step 1, the other at step 2, the control
+    # at step 3, the verdict's at step 4): both tried, in order, and every rank runs the same one.
     two = res[0]["two"]
     verdicts = [res[r]["two"]["info"]["trial"] for r in range(3)]
     assert all(v == verdicts[0] for v in verdicts) and list(verdicts[0]["tried"]) == ["algorithm1", "optimal"]

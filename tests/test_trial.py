@@ -175,6 +175,45 @@ def test_a_plan_faster_within_the_noise_that_spent_more_cpu_is_dropped():
     assert v.kept and v.figures["by"] == "time"  # 1 ms faster: past the noise
 
 
+def _controlled(warm, plan, control, warm_cpu, plan_cpu, control_cpu):
+    trial = MergeTrial(STEPS)
+    clock = _warm_up(trial, warm, cpu=warm_cpu)
+    assert trial.planned([Trial("greedy", "A")], clock, control="unmerged") == "A"
+    asked = _run_trials(trial, [plan, control], clock, [plan_cpu, control_cpu])
+    assert asked == [Due.NEXT_TRIAL, Due.JUDGMENT]  # the control runs after the candidates
+    assert trial.trials[-1].plan == "unmerged"
+    return trial.judge({0: trial.figures()})
+
+
+def test_a_host_that_got_slower_over_the_trials_does_not_decide_against_the_plan():
+    # One message per layer at 7.3 ms in the warm-up and 9.8 ms after the trials (bench train's
+    # ResNet-20 x2 at 1 Gbit on a host that slowed down): the plan's 8.8 ms lies between, as
+    # fast within the drift, on 9.8 ms of CPU a step against 12.8. Without the control the
+    # warm-up's 7.3 ms decided by time and one message per layer stayed.
+    warm_cpu, plan_cpu, control_cpu = [0.03] + [0.0128] * 4, [0.03, 0.0098, 0.0098], [0.03, 0.0128, 0.0128]
+    v = _controlled([0.05, 0.0073, 0.0073, 0.0072, 0.0074], [0.02, 0.0088, 0.0088], [0.02, 0.0098, 0.0098],
+                    warm_cpu, plan_cpu, control_cpu)  # fmt: skip
+    assert v.kept and v.trial.plan == "A" and v.figures["by"] == "cpu"
+    assert v.figures["control_s"] == pytest.approx(0.0098) and v.figures["noise_s"] > 0.001
+    assert v.rebuild  # the control runs now: the kept plan is built again
+    assert v.figures["tried"] == {"greedy": pytest.approx(0.0088)}  # the control is no candidate
+    # The same figures with no control: the warm-up alone, and the time decides against the plan.
+    trial = MergeTrial(STEPS)
+    trial.planned([Trial("greedy", "A")], _warm_up(trial, [0.05, 0.0073, 0.0073, 0.0072, 0.0074], cpu=warm_cpu))
+    _run_trials(trial, [[0.02, 0.0088, 0.0088]], 5, [plan_cpu])
+    assert not trial.judge({0: trial.figures()}).kept
+
+
+def test_a_plan_slower_than_both_sides_of_the_control_is_dropped_without_a_rebuild():
+    cpu = [0.03, 0.008, 0.008]
+    v = _controlled([0.05, 0.010, 0.010], [0.02, 0.013, 0.013], [0.02, 0.010, 0.010], cpu, [0.03, 0.005, 0.005], cpu)
+    assert not v.kept and v.figures["by"] == "time"
+    assert not v.rebuild  # one message per layer is what the control left running
+    # The CPU of one message per layer: the warm-up's and the control's steps together.
+    v = _controlled([0.05, 0.010, 0.010], [0.02, 0.013, 0.013], [0.02, 0.010, 0.010], cpu, cpu, [0.03, 0.004, 0.004])
+    assert v.figures["unmerged_cpu_s"] == pytest.approx(0.006)
+
+
 def test_an_illegal_transition_names_the_event_and_the_phase():
     trial = MergeTrial(STEPS)
     with pytest.raises(LocalProtocolError, match="judged in phase measuring"):

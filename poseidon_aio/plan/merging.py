@@ -62,8 +62,10 @@ class MergeConfig:
         calibration_sizes: message sizes (bytes) timed at start-up to fit alpha and beta.
         trial: steps a plan that merges runs before it is judged against the warm-up's steps
             (one message per layer); it is kept only if the job's step got faster. With ``best``
-            each distinct plan has its trial, one after the other. 0 keeps every plan untried
-            (the paper's runtime; ``best`` then keeps Algorithm 1's).
+            each distinct plan has its trial, one after the other; then one message per layer
+            runs as many steps again, the control that the host's drift over the trials is
+            measured by. 0 keeps every plan untried (the paper's runtime; ``best`` then keeps
+            Algorithm 1's).
         bucket_bytes: ``(first, then)``: the bucket sizes of the ``buckets`` and ``tapered``
             plans, DDP's 1 MiB and 25 MiB by default (a bench that scales a model's bytes
             scales these too).

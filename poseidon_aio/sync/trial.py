@@ -3,7 +3,9 @@
 The planners' timeline is a model; on a host whose cores the workers share, what a merged message
 costs the backward it waits on is not in it. So each candidate plan runs for a few steps (its
 trial) and the job keeps the fastest one only if it beat the warm-up's one message per layer, or,
-as fast within the noise, the one that spent the least CPU.
+as fast within the noise, the one that spent the least CPU. One message per layer runs again after
+the trials (the control): its steps and the warm-up's bracket the trials, so a host that got
+slower or faster meanwhile shows as noise instead of deciding.
 
 The controller does no I/O and knows nothing of torch: the trainer feeds it step times and the
 figures every rank agreed on, and carries out what it answers (rebuild the syncers with a plan,
@@ -35,6 +37,7 @@ def judge_trial(
     warm: Mapping[int, Sequence[float]],
     *trials: Mapping[int, Sequence[float]],
     cpu: Optional[Sequence[Mapping[int, Sequence[float]]]] = None,
+    control: Optional[Mapping[int, Sequence[float]]] = None,
 ) -> dict:
     """Which merge plan to keep, if any, from every rank's step times (seconds) in the warm-up
     (one message per layer) and in each plan's trial: the same answer on every rank given the
@@ -47,17 +50,21 @@ def judge_trial(
 
     A step ends for the job when its slowest rank's does, so each step counts at its slowest
     rank; each phase's first step is left out where it has others (the warm-up's first starts
-    the parameter server and faults buffers in, a trial's first starts the plan's). The fastest
-    phase is kept, unless others are as fast within the noise: the warm-up steps' median
-    absolute deviation from their median, and at least ``TIE_FRACTION`` of the fastest's step (a
-    trial of a few steps cannot tell a 1 % difference from the host's jitter, and took the plan
-    one way or the other by chance). Of those, the one
-    whose ranks spent the least CPU a step wins (``cpu``: every rank's CPU seconds a step, the
-    warm-up's then each trial's): where cores are shared that CPU is another rank's time.
+    the parameter server and faults buffers in, a trial's first starts the plan's). ``control``:
+    one message per layer's steps after the trials: timed on both sides of the trials, one
+    message per layer counts at the midpoint of the two medians. The fastest phase is kept,
+    unless others are as fast within the noise: the warm-up steps' median absolute deviation
+    from their median or, where larger, half the drift from the warm-up to the control, and at
+    least ``TIE_FRACTION`` of the fastest's step (a trial of a few steps cannot tell a 1 %
+    difference from the host's jitter, and took the plan one way or the other by chance). Of
+    those, the one whose ranks spent the least CPU a step wins (``cpu``: every rank's CPU seconds
+    a step, the warm-up's, each trial's, then the control's where there is one; one message per
+    layer's counts the warm-up's and the control's steps together): where cores are shared that
+    CPU is another rank's time.
     Returns ``{"kept", "best", "unmerged_s", "planned_s", "trials_s", "noise_s", "unmerged_cpu_s",
-    "trials_cpu_s", "by"}``: whether a plan is kept, the index of the kept (else the fastest)
-    trial, the medians compared, the noise, the job's CPU a step of each, and ``"time"`` or
-    ``"cpu"``: what decided.
+    "trials_cpu_s", "control_s", "by"}``: whether a plan is kept, the index of the kept (else the
+    fastest) trial, the medians compared, the noise, the job's CPU a step of each, the control's
+    median alone (``None`` without one), and ``"time"`` or ``"cpu"``: what decided.
     """
 
     def job_steps(times: Mapping[int, Sequence[float]]) -> list:
@@ -68,19 +75,29 @@ def judge_trial(
         steps = job_steps(times)
         return float(statistics.median(steps)) if steps else float("inf")
 
-    def job_cpu(per_rank: Mapping[int, Sequence[float]]) -> float:
-        # The job's CPU a step: every rank's median (its first step left out), summed.
-        # (summed in rank order: every rank adds the same floats the same way)
-        medians = [statistics.median(c[1:] if len(c) > 1 else c) for _, c in sorted(per_rank.items()) if c]
-        return float(sum(medians)) if medians and len(medians) == len(per_rank) else float("inf")
+    def rank_steps(c: Sequence[float]) -> list:
+        return list(c[1:] if len(c) > 1 else c)
+
+    def job_cpu(*phases: Mapping[int, Sequence[float]]) -> float:
+        # The job's CPU a step: every rank's median over the phases (each one's first step left
+        # out), summed in rank order: every rank adds the same floats the same way.
+        each = [[rank_steps(p.get(r, [])) for p in phases] for r in sorted(phases[0])]
+        if not each or not all(all(steps) for steps in each):
+            return float("inf")  # a rank without figures
+        return float(sum(statistics.median(sum(steps, [])) for steps in each))
 
     if not trials:
         raise ValueError("judge_trial needs one trial or more")
     unmerged = job_median(warm)
-    medians = [job_median(trial) for trial in trials]
     steps = job_steps(warm)
     noise = float(statistics.median(abs(s - unmerged) for s in steps)) if len(steps) > 1 else 0.0
-    cpus = [job_cpu(c) for c in cpu] if cpu is not None and len(cpu) == len(trials) + 1 else []
+    if control:  # one message per layer at the trials' time: midway, give or take half the drift
+        after = job_median(control)
+        unmerged, noise = (unmerged + after) / 2, max(noise, abs(after - unmerged) / 2)
+    medians = [job_median(trial) for trial in trials]
+    cpus = []
+    if cpu is not None and len(cpu) == len(trials) + 1 + bool(control):
+        cpus = [job_cpu(cpu[0], *cpu[len(trials) + 1 :]), *(job_cpu(c) for c in cpu[1 : len(trials) + 1])]
     cpus = cpus if all(c < float("inf") for c in cpus) else []  # a rank without figures: time alone
     fastest = min(range(len(medians)), key=lambda i: (medians[i], i))
     # Phase 0 is the warm-up, then the trials in order: the fastest (the warm-up on a tie) ...
@@ -100,6 +117,7 @@ def judge_trial(
         "noise_s": noise,
         "unmerged_cpu_s": cpus[0] if cpus else None,
         "trials_cpu_s": cpus[1:] if cpus else None,
+        "control_s": job_median(control) if control else None,
         "by": by,
     }
 
@@ -201,7 +219,8 @@ class MergeTrial:
         self.phase = Phase.MEASURING
         self.warm: list = []  # this rank's step seconds with one message per layer
         self.warm_cpu: list = []  # and its CPU seconds each of those steps
-        self.trials: list = []
+        self.trials: list = []  # the candidates', then the control's where there is one
+        self.control = False  # whether the last trial is one message per layer again
         self.at = 0  # the trial running now
         self.since: Optional[int] = None  # the clock of its first step
 
@@ -224,15 +243,19 @@ class MergeTrial:
                 return Due.NEXT_TRIAL if self.at + 1 < len(self.trials) else Due.JUDGMENT
         return Due.NOTHING
 
-    def planned(self, trials: Sequence[Trial], clock: int) -> Optional[Any]:
+    def planned(self, trials: Sequence[Trial], clock: int, control: Optional[Any] = None) -> Optional[Any]:
         """The agreed candidates are in: the plan to run from ``clock`` (the first trial's), or
-        ``None`` where there is nothing to try and the agreed plan stays in force."""
+        ``None`` where there is nothing to try and the agreed plan stays in force. ``control``:
+        the warm-up's plan, run again for as many steps after the candidates (see
+        :func:`judge_trial`)."""
         if not trials:
             self._move(Event.UNTRIED)
             self.warm, self.warm_cpu = [], []
             return None
         self._move(Event.PLANNED)
-        self.trials, self.at, self.since = list(trials), 0, clock
+        self.control = control is not None
+        self.trials = [*trials, *([Trial("unmerged", control)] if self.control else [])]
+        self.at, self.since = 0, clock
         return self.running.plan
 
     def next_trial(self, clock: int) -> Any:
@@ -256,18 +279,22 @@ class MergeTrial:
     def judge(self, figures: Mapping[int, Mapping]) -> Verdict:
         """The verdict from every rank's :meth:`figures` (the same on every rank)."""
         self._move(Event.JUDGED)
-        n = range(len(self.trials))
+        ran = len(self.trials)
+        candidates = range(ran - self.control)
         cpu = [{r: f.get("warm_cpu", []) for r, f in figures.items()}]
-        cpu += [{r: f.get("trials_cpu", [[]] * len(n))[i] for r, f in figures.items()} for i in n]
+        cpu += [{r: f.get("trials_cpu", [[]] * ran)[i] for r, f in figures.items()} for i in range(ran)]
         found = judge_trial(
             {r: f["warm"] for r, f in figures.items()},
-            *({r: f["trials"][i] for r, f in figures.items()} for i in n),
+            *({r: f["trials"][i] for r, f in figures.items()} for i in candidates),
             cpu=cpu,
+            control={r: f["trials"][-1] for r, f in figures.items()} if self.control else None,
         )
         trial = self.trials[found["best"]]
         found["planner"] = trial.planner
         found["tried"] = {t.planner: s for t, s in zip(self.trials, found["trials_s"])}
-        rebuild = not found["kept"] or found["best"] != len(self.trials) - 1
+        # The plan running now: the last candidate's, or one message per layer after the control.
+        running = None if self.control else len(candidates) - 1
+        rebuild = (found["best"] if found["kept"] else None) != running
         self.warm, self.warm_cpu, self.since = [], [], None
         return Verdict(found["kept"], trial, rebuild, found)
 

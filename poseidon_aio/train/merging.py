@@ -122,6 +122,7 @@ class MergeTuning:
         syncers (and the parameter server) restart with them."""
         p = self.planning
         groups, infos, candidates = {}, {}, {}
+        warm = {scheme: p.groups_in_force(scheme) for scheme in p.plan.mergeable()}  # the trials' control
         for scheme in p.plan.mergeable():
             layers = p.plan.layers_of(scheme)
             runtime = self.runtimes.get(scheme)
@@ -149,7 +150,7 @@ class MergeTuning:
         log.info(
             "rank %d: merge plans %s", p.rank, {k: [c["groups"] for c in v["candidates"]] for k, v in infos.items()}
         )
-        self.trial.planned(trials, clock)
+        self.trial.planned(trials, clock, control=warm)
 
     @staticmethod
     def _indices(by_name: dict, groups: list) -> list:
@@ -181,7 +182,8 @@ class MergeTuning:
                 _by_cpu(figures, figures["trials_cpu_s"][figures["best"]] if figures["trials_cpu_s"] else None),
             )
             return
-        await self.rebuild(p.unmerged())
+        if verdict.rebuild:  # the control leaves one message per layer running
+            await self.rebuild(p.unmerged())
         for name, info in infos.items():
             info["rejected_groups"], info["groups"] = (
                 info["groups"],
