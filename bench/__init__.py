@@ -6,9 +6,9 @@ from poseidon_aio.cluster.launcher import free_port
 BENCH_TOKEN = "bench-local-job-token-0123456789abcdef"
 
 
-# Untimed steps before a bench times ours: merging is planned after 3 steps, then up to 5 plans run
-# 3 steps each, then one message per layer 3 more (the trial's control).
-MERGE_WARMUP = 22
+# Untimed steps before a bench times ours: the planning step, 3 measured ones, then up to 5 plans
+# run 5 steps each, then one message per layer 5 more (the trial's control).
+MERGE_WARMUP = 34
 
 
 def parse_impl(impl: str, settings: dict) -> tuple:

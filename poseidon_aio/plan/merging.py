@@ -74,7 +74,7 @@ class MergeConfig:
     kind: Optional[MergeKind] = None
     after: int = 3
     calibration_sizes: tuple = CALIBRATION_SIZES
-    trial: int = 3
+    trial: int = 5
     bucket_bytes: tuple = (1 << 20, 25 << 20)
 
     def __post_init__(self) -> None:
