@@ -91,8 +91,8 @@ def judge_trial(
     unmerged = job_median(warm)
     steps = job_steps(warm)
     noise = float(statistics.median(abs(s - unmerged) for s in steps)) if len(steps) > 1 else 0.0
-    if control:  # one message per layer at the trials' time: midway, give or take half the drift
-        after = job_median(control)
+    after = job_median(control) if control else None
+    if after is not None:  # one message per layer at the trials' time: midway, give or take half the drift
         unmerged, noise = (unmerged + after) / 2, max(noise, abs(after - unmerged) / 2)
     medians = [job_median(trial) for trial in trials]
     cpus = []
@@ -117,7 +117,7 @@ def judge_trial(
         "noise_s": noise,
         "unmerged_cpu_s": cpus[0] if cpus else None,
         "trials_cpu_s": cpus[1:] if cpus else None,
-        "control_s": job_median(control) if control else None,
+        "control_s": after,
         "by": by,
     }
 

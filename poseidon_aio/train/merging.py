@@ -127,7 +127,7 @@ class MergeTuning:
             layers = p.plan.layers_of(scheme)
             runtime = self.runtimes.get(scheme)
             if runtime is None:
-                groups[scheme] = p.groups_in_force(scheme)
+                groups[scheme] = warm[scheme]
                 continue
             sizes = [lossy.message_bytes(layer, scheme, self.settings.compression) for layer in layers]
             info = await runtime.agree(
@@ -182,8 +182,7 @@ class MergeTuning:
                 _by_cpu(figures, figures["trials_cpu_s"][figures["best"]] if figures["trials_cpu_s"] else None),
             )
             return
-        if verdict.rebuild:  # the control leaves one message per layer running
-            await self.rebuild(p.unmerged())
+        # One message per layer is running already: the control ran it last.
         for name, info in infos.items():
             info["rejected_groups"], info["groups"] = (
                 info["groups"],

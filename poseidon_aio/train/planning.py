@@ -188,10 +188,6 @@ class Planning:
                 groups[scheme] = [[by_layer[n] for n in g] for g in saved[scheme.value]]
         return groups
 
-    def unmerged(self) -> dict:
-        """One message per layer for every mergeable scheme."""
-        return {scheme: [[layer.index] for layer in self.plan.layers_of(scheme)] for scheme in self.plan.mergeable()}
-
     async def agreed_link(self) -> Link:
         """Rank 0's measured alpha and beta, on every rank: each rank measures its own, and one
         plan needs one link."""
