@@ -119,8 +119,13 @@ def median_run(runs: list) -> dict:
 
 
 def job_cpu(ranks: list) -> float:
-    """CPU seconds a step, every thread of each worker process (gloo's included), median per rank,
-    summed over ranks: what the job asks of the host's cores each step (each rank's ``"cpu"``)."""
-    import statistics
+    """CPU seconds a step, every thread of each worker process (gloo's included), summed over ranks:
+    what the job asks of the host's cores each step. Each rank's ``"cpu"`` holds its timed steps'
+    back-to-back ``process_time`` deltas; their mean is the rank's CPU over the timed steps ÷ steps.
 
-    return sum(statistics.median(r["cpu"]) for r in ranks)
+    The mean, not the median: ``process_time`` counts another thread's CPU only up to its last
+    sleep or scheduler tick, so what a thread still running on the other core at a step's end has
+    spent (gloo's, finishing the all-reduce after waking the step) lands in a later step's delta,
+    in lumps. The median of the deltas drops the lumps; their sum over the back-to-back timed steps
+    keeps them (bench/RESULTS.md, bench train)."""
+    return sum(sum(r["cpu"]) / len(r["cpu"]) for r in ranks)
