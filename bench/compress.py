@@ -317,7 +317,7 @@ def main(argv=None) -> dict:
         )
     lines += [
         "",
-        "CPU a step, ms: every thread of a worker process, median over its steps, "
+        "CPU a step, ms: every thread of a worker process, over its timed steps ÷ steps, "
         f"summed over the {args.workers} ranks "
         f"(this host has {os.cpu_count()} cores: past {os.cpu_count()} x the step time, the CPU bounds the step)",
         "",
