@@ -1,14 +1,15 @@
 """Benchmarks: ``python -m bench <name>``."""
 
 from poseidon_aio.cluster.launcher import free_port
+from poseidon_aio.plan.merging import BEST_PLANNERS, MergeConfig
 
 # The token the bench's local workers share (handed over in their environment, as a launcher would).
 BENCH_TOKEN = "bench-local-job-token-0123456789abcdef"
 
 
-# Untimed steps before a bench times ours: the planning step, 3 measured ones, then up to 5 plans
-# run 5 steps each, then one message per layer 5 more (the trial's control).
-MERGE_WARMUP = 34
+# Untimed steps before a bench times ours: the measured ones and the planning step, then every plan
+# ``best`` can try and one message per layer again (the trial's control), a trial's steps each.
+MERGE_WARMUP = MergeConfig.after + 1 + (len(BEST_PLANNERS) + 1) * MergeConfig.trial
 
 
 def parse_impl(impl: str, settings: dict) -> tuple:

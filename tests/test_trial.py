@@ -199,8 +199,9 @@ def test_a_host_that_got_slower_over_the_trials_does_not_decide_against_the_plan
     assert v.figures["tried"] == {"greedy": pytest.approx(0.0088)}  # the control is no candidate
     # The same figures with no control: the warm-up alone, and the time decides against the plan.
     trial = MergeTrial(STEPS)
-    trial.planned([Trial("greedy", "A")], _warm_up(trial, [0.05, 0.0073, 0.0073, 0.0072, 0.0074], cpu=warm_cpu))
-    _run_trials(trial, [[0.02, 0.0088, 0.0088]], 5, [plan_cpu])
+    clock = _warm_up(trial, [0.05, 0.0073, 0.0073, 0.0072, 0.0074], cpu=warm_cpu)
+    trial.planned([Trial("greedy", "A")], clock)
+    _run_trials(trial, [[0.02, 0.0088, 0.0088]], clock, [plan_cpu])
     assert not trial.judge({0: trial.figures()}).kept
 
 

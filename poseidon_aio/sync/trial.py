@@ -67,21 +67,20 @@ def judge_trial(
     median alone (``None`` without one), and ``"time"`` or ``"cpu"``: what decided.
     """
 
+    def past_first(steps: Sequence[float]) -> list:
+        return list(steps[1:] if len(steps) > 1 else steps)
+
     def job_steps(times: Mapping[int, Sequence[float]]) -> list:
-        steps = [max(ts) for ts in zip(*times.values())]
-        return steps[1:] if len(steps) > 1 else steps
+        return past_first([max(ts) for ts in zip(*times.values())])
 
     def job_median(times: Mapping[int, Sequence[float]]) -> float:
         steps = job_steps(times)
         return float(statistics.median(steps)) if steps else float("inf")
 
-    def rank_steps(c: Sequence[float]) -> list:
-        return list(c[1:] if len(c) > 1 else c)
-
     def job_cpu(*phases: Mapping[int, Sequence[float]]) -> float:
         # The job's CPU a step: every rank's median over the phases (each one's first step left
         # out), summed in rank order: every rank adds the same floats the same way.
-        each = [[rank_steps(p.get(r, [])) for p in phases] for r in sorted(phases[0])]
+        each = [[past_first(p.get(r, [])) for p in phases] for r in sorted(phases[0])]
         if not each or not all(all(steps) for steps in each):
             return float("inf")  # a rank without figures
         return float(sum(statistics.median(sum(steps, [])) for steps in each))
