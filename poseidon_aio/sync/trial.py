@@ -3,9 +3,9 @@
 The planners' timeline is a model; on a host whose cores the workers share, what a merged message
 costs the backward it waits on is not in it. So each candidate plan runs for a few steps (its
 trial) and the job keeps the fastest one only if it beat the warm-up's one message per layer, or,
-as fast within the noise, the one that spent the least CPU. One message per layer runs again after
-the trials (the control): its steps and the warm-up's bracket the trials, so a host that got
-slower or faster meanwhile shows as noise instead of deciding.
+as fast within the noise or by chance (the rank-sum test), the one that spent the least CPU. One
+message per layer runs again after the trials (the control): its steps and the warm-up's bracket
+the trials, so a host that got slower or faster meanwhile shows as noise instead of deciding.
 
 The controller does no I/O and knows nothing of torch: the trainer feeds it step times and the
 figures every rank agreed on, and carries out what it answers (rebuild the syncers with a plan,
@@ -21,6 +21,8 @@ the same verdict.
 from __future__ import annotations
 
 import enum
+import itertools
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
@@ -31,6 +33,34 @@ from ..errors import LocalProtocolError
 # trial of a few steps does not resolve less, and at 100 Mbit, where the link sets a step, the
 # warm-up's jitter is a tenth of a millisecond and 0.2 % decided for 50 % more CPU (bench/RESULTS.md).
 TIE_FRACTION = 0.02
+
+# A phase slower past the noise is slower only where its steps lie above the fastest's more
+# consistently than chance orders them (the rank-sum test at this level): a trial's first steps
+# after a rebuild run slow, and two such steps of four dropped plans that spent a quarter less
+# CPU a step (bench/RESULTS.md). A trial too short to reach it is a tie, and the CPU decides.
+ALPHA = 0.05
+EXACT_SPLITS = 20_000  # the rank-sum test counts every split up to this many, else the normal approximation
+
+
+def rank_sum_p(fast: Sequence[float], slow: Sequence[float]) -> float:
+    """The one-sided p-value of the rank-sum (Mann-Whitney) test that ``fast``'s values lie
+    below ``slow``'s: the share of the splits of the pooled values into groups of those sizes
+    whose first group's rank sum is at most ``fast``'s, tied values at their mean rank. Exact
+    up to ``EXACT_SPLITS`` splits, the normal approximation beyond; 1.0 where either is empty."""
+    pooled = sorted([*fast, *slow])
+    n, total = len(fast), len(pooled)
+    if not n or n == total:
+        return 1.0
+    twice_rank: dict = {}  # each value's mean rank, doubled: an integer
+    for value, run in itertools.groupby(enumerate(pooled, 1), key=lambda pair: pair[1]):
+        ranks = [rank for rank, _ in run]
+        twice_rank[value] = ranks[0] + ranks[-1]
+    observed = sum(twice_rank[v] for v in fast)
+    if math.comb(total, n) <= EXACT_SPLITS:
+        sums = [sum(split) for split in itertools.combinations([twice_rank[v] for v in pooled], n)]
+        return sum(s <= observed for s in sums) / len(sums)
+    mean, sd = n * (total + 1), 2 * math.sqrt(n * (total - n) * (total + 1) / 12)
+    return 0.5 * math.erfc(-(observed + 1 - mean) / sd / math.sqrt(2))  # +1: half a rank, doubled
 
 
 def judge_trial(
@@ -98,13 +128,17 @@ def judge_trial(
     if cpu is not None and len(cpu) == len(trials) + 1 + bool(control):
         cpus = [job_cpu(cpu[0], *cpu[len(trials) + 1 :]), *(job_cpu(c) for c in cpu[1 : len(trials) + 1])]
     cpus = cpus if all(c < float("inf") for c in cpus) else []  # a rank without figures: time alone
+    runs = [job_steps(warm) + (job_steps(control) if control else []), *(job_steps(t) for t in trials)]
     fastest = min(range(len(medians)), key=lambda i: (medians[i], i))
     # Phase 0 is the warm-up, then the trials in order: the fastest (the warm-up on a tie) ...
     phases = [unmerged, *medians]
     chosen = fastest + 1 if medians[fastest] < unmerged else 0
     if cpus:
-        # ... or, of those as fast within the noise, the one that spent the least CPU.
-        ties = [i for i, t in enumerate(phases) if t <= phases[chosen] + max(noise, TIE_FRACTION * phases[chosen])]
+        # ... or, of those as fast within the noise or by chance, the one that spent the least CPU.
+        band = max(noise, TIE_FRACTION * phases[chosen])
+        ties = [
+            i for i, t in enumerate(phases) if t <= phases[chosen] + band or rank_sum_p(runs[chosen], runs[i]) >= ALPHA
+        ]
         chosen = min(ties, key=lambda i: (cpus[i], phases[i], i))
     by = "time" if phases[chosen] == min(phases) else "cpu"
     return {

@@ -159,8 +159,8 @@ class MergeTuning:
     async def _judge(self) -> None:
         """Every rank's step times and CPU go round and each rank reaches the same verdict
         (:func:`~poseidon_aio.sync.trial.judge_trial`): the fastest plan if it made the step
-        faster than the warm-up's one message per layer, or of those as fast within the noise the
-        one that spent the least CPU; otherwise one message per layer."""
+        faster than the warm-up's one message per layer, or of those as fast within the noise or
+        by chance the one that spent the least CPU; otherwise one message per layer."""
         p = self.planning
         mine = json.dumps(self.trial.figures())
         seen = await p.job.rendezvous.exchange(f"merge-trial/{p.generation}", mine, range(p.world))
@@ -212,8 +212,8 @@ def _by_cpu(figures: dict, cpu) -> str:
         return ""
     others = [c for c in (figures["unmerged_cpu_s"], *figures["trials_cpu_s"]) if c is not None and c != cpu]
     return (
-        f" (as fast within the noise, {figures['noise_s'] * 1e3:.1f} ms; the job's CPU {cpu * 1e3:.1f} ms a step "
-        f"against {min(others) * 1e3:.1f})"
+        f" (as fast within the noise, {figures['noise_s'] * 1e3:.1f} ms, or by chance; "
+        f"the job's CPU {cpu * 1e3:.1f} ms a step against {min(others) * 1e3:.1f})"
         if others
         else ""
     )
