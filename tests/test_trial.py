@@ -189,6 +189,29 @@ def test_a_plan_slower_past_the_noise_by_a_few_slow_steps_is_as_fast_and_the_cpu
     assert not v.kept and v.figures["by"] == "time"
 
 
+def test_less_cpu_decides_only_where_every_step_tells_it_apart():
+    # bench train's transformer x2 at 1 Gbit, real compute: one plan 27.5 ms by the median, another
+    # 31.5, their steps interleaved (as fast by chance), the second's CPU 3 % less by the median
+    # but interleaved too: the fastest is kept, not the one of least CPU by the median.
+    warm, warm_cpu = [0.05, 0.031, 0.030, 0.032, 0.029], [0.05, 0.038, 0.039, 0.037, 0.038]
+    a, a_cpu = [0.05, 0.025, 0.029, 0.026, 0.034], [0.03, 0.036, 0.037, 0.035, 0.036]
+    b, b_cpu = [0.05, 0.030, 0.033, 0.028, 0.036], [0.03, 0.035, 0.036, 0.034, 0.037]
+
+    def judged(b_cpu):
+        trial = MergeTrial(TRIED)
+        clock = _warm_up(trial, warm, cpu=warm_cpu)
+        trial.planned([Trial("algorithm1", "A"), Trial("optimal", "B")], clock, control="unmerged")
+        _run_trials(trial, [a, b, warm], clock, [a_cpu, b_cpu, warm_cpu])
+        return trial.judge({0: trial.figures()})
+
+    v = judged(b_cpu)
+    assert v.figures["trials_cpu_s"][1] < v.figures["trials_cpu_s"][0]  # less by the median ...
+    assert v.trial.plan == "A" and v.figures["by"] == "time"  # ... not on every step: the time decides
+    # Every one of B's steps spent less CPU than every one of A's: B, as fast by chance, is kept.
+    v = judged([0.03, 0.031, 0.030, 0.032, 0.031])
+    assert v.trial.plan == "B" and v.figures["by"] == "cpu"
+
+
 @pytest.mark.parametrize(
     "fast, slow, p",
     [

@@ -37,7 +37,8 @@ TIE_FRACTION = 0.02
 # A phase slower past the noise is slower only where its steps lie above the fastest's more
 # consistently than chance orders them (the rank-sum test at this level): a trial's first steps
 # after a rebuild run slow, and two such steps of four dropped plans that spent a quarter less
-# CPU a step (bench/RESULTS.md). A trial too short to reach it is a tie, and the CPU decides.
+# CPU a step (bench/RESULTS.md). The CPU in turn decides only where the same test tells it apart:
+# 3 % less of it by the median chose a plan 15 % slower. A trial too short to reach it: the time.
 ALPHA = 0.05
 EXACT_SPLITS = 20_000  # the rank-sum test counts every split up to this many, else the normal approximation
 
@@ -86,11 +87,13 @@ def judge_trial(
     unless others are as fast within the noise: the warm-up steps' median absolute deviation
     from their median or, where larger, half the drift from the warm-up to the control, and at
     least ``TIE_FRACTION`` of the fastest's step (a trial of a few steps cannot tell a 1 %
-    difference from the host's jitter, and took the plan one way or the other by chance). Of
-    those, the one whose ranks spent the least CPU a step wins (``cpu``: every rank's CPU seconds
-    a step, the warm-up's, each trial's, then the control's where there is one; one message per
-    layer's counts the warm-up's and the control's steps together): where cores are shared that
-    CPU is another rank's time.
+    difference from the host's jitter, and took the plan one way or the other by chance), or
+    slower past it but not by the rank-sum test at ``ALPHA`` (one message per layer's steps: the
+    warm-up's and the control's). Of those, the ones whose steps spent less CPU than the
+    fastest's by the same test are preferred, the fastest of them (``cpu``: every rank's CPU
+    seconds a step, the warm-up's, each trial's, then the control's where there is one; a step's
+    CPU is the ranks' sum): where cores are shared that CPU is another rank's time. So each
+    figure decides only where its steps tell the phases apart.
     Returns ``{"kept", "best", "unmerged_s", "planned_s", "trials_s", "noise_s", "unmerged_cpu_s",
     "trials_cpu_s", "control_s", "by"}``: whether a plan is kept, the index of the kept (else the
     fastest) trial, the medians compared, the noise, the job's CPU a step of each, the control's
@@ -115,6 +118,11 @@ def judge_trial(
             return float("inf")  # a rank without figures
         return float(sum(statistics.median(sum(steps, [])) for steps in each))
 
+    def job_cpu_steps(*phases: Mapping[int, Sequence[float]]) -> list:
+        # The job's CPU each step, the ranks' summed in rank order (each phase's first left out).
+        ranks = sorted(phases[0])
+        return [sum(step) for p in phases for step in zip(*(past_first(p.get(r, [])) for r in ranks))]
+
     if not trials:
         raise ValueError("judge_trial needs one trial or more")
     unmerged = job_median(warm)
@@ -124,9 +132,11 @@ def judge_trial(
     if after is not None:  # one message per layer at the trials' time: midway, give or take half the drift
         unmerged, noise = (unmerged + after) / 2, max(noise, abs(after - unmerged) / 2)
     medians = [job_median(trial) for trial in trials]
-    cpus = []
+    cpus, cpu_runs = [], []
     if cpu is not None and len(cpu) == len(trials) + 1 + bool(control):
-        cpus = [job_cpu(cpu[0], *cpu[len(trials) + 1 :]), *(job_cpu(c) for c in cpu[1 : len(trials) + 1])]
+        unmerged_cpu = (cpu[0], *cpu[len(trials) + 1 :])
+        cpus = [job_cpu(*unmerged_cpu), *(job_cpu(c) for c in cpu[1 : len(trials) + 1])]
+        cpu_runs = [job_cpu_steps(*unmerged_cpu), *(job_cpu_steps(c) for c in cpu[1 : len(trials) + 1])]
     cpus = cpus if all(c < float("inf") for c in cpus) else []  # a rank without figures: time alone
     runs = [job_steps(warm) + (job_steps(control) if control else []), *(job_steps(t) for t in trials)]
     fastest = min(range(len(medians)), key=lambda i: (medians[i], i))
@@ -134,12 +144,16 @@ def judge_trial(
     phases = [unmerged, *medians]
     chosen = fastest + 1 if medians[fastest] < unmerged else 0
     if cpus:
-        # ... or, of those as fast within the noise or by chance, the one that spent the least CPU.
+        # ... or, of those as fast (within the noise or by chance) that clearly spent less CPU, the fastest.
         band = max(noise, TIE_FRACTION * phases[chosen])
-        ties = [
-            i for i, t in enumerate(phases) if t <= phases[chosen] + band or rank_sum_p(runs[chosen], runs[i]) >= ALPHA
+        frugal = [
+            i
+            for i, t in enumerate(phases)
+            if i != chosen
+            and (t <= phases[chosen] + band or rank_sum_p(runs[chosen], runs[i]) >= ALPHA)
+            and rank_sum_p(cpu_runs[i], cpu_runs[chosen]) < ALPHA
         ]
-        chosen = min(ties, key=lambda i: (cpus[i], phases[i], i))
+        chosen = min(frugal, key=lambda i: (phases[i], i), default=chosen)
     by = "time" if phases[chosen] == min(phases) else "cpu"
     return {
         "kept": chosen != 0,
