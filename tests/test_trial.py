@@ -212,6 +212,20 @@ def test_less_cpu_decides_only_where_every_step_tells_it_apart():
     assert v.trial.plan == "B" and v.figures["by"] == "cpu"
 
 
+def test_where_neither_figure_tells_the_phases_apart_time_and_cpu_weigh_together():
+    # bench train's CNN x2 at 100 Mbit, replayed: the link sets the step, the plan 0.2 ms slower
+    # by the median (1 %) on 5 % less CPU, neither by the rank-sum test: the plan is kept.
+    warm, warm_cpu = [0.03, 0.0219, 0.0218, 0.0221], [0.01, 0.0064, 0.0060, 0.0068]
+    plan, plan_cpu = [0.03, 0.0221, 0.0220, 0.0222, 0.0219], [0.01, 0.0061, 0.0065, 0.0058, 0.0061]
+    v = _controlled(warm, plan, [0.03, 0.0218, 0.0220, 0.0219, 0.0222], warm_cpu, plan_cpu, _run(0.01, 0.0064))
+    assert v.figures["trials_s"][0] > v.figures["unmerged_s"]
+    assert v.kept and v.figures["by"] == "cpu"
+    # 10 % slower by the median for the same 5 %: one message per layer stays.
+    v = _controlled(warm, [0.03, 0.0239, 0.0210, 0.0245, 0.0241], [0.03, 0.0218, 0.0220, 0.0219, 0.0222],
+                    warm_cpu, plan_cpu, _run(0.01, 0.0064))  # fmt: skip
+    assert not v.kept
+
+
 @pytest.mark.parametrize(
     "fast, slow, p",
     [

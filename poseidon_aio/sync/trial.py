@@ -37,8 +37,8 @@ TIE_FRACTION = 0.02
 # A phase slower past the noise is slower only where its steps lie above the fastest's more
 # consistently than chance orders them (the rank-sum test at this level): a trial's first steps
 # after a rebuild run slow, and two such steps of four dropped plans that spent a quarter less
-# CPU a step (bench/RESULTS.md). The CPU in turn decides only where the same test tells it apart:
-# 3 % less of it by the median chose a plan 15 % slower. A trial too short to reach it: the time.
+# CPU a step (bench/RESULTS.md). The CPU alone decides only where the same test tells it apart:
+# 3 % less of it by the median chose a plan 15 % slower.
 ALPHA = 0.05
 EXACT_SPLITS = 20_000  # the rank-sum test counts every split up to this many, else the normal approximation
 
@@ -92,8 +92,9 @@ def judge_trial(
     warm-up's and the control's). Of those, the ones whose steps spent less CPU than the
     fastest's by the same test are preferred, the fastest of them (``cpu``: every rank's CPU
     seconds a step, the warm-up's, each trial's, then the control's where there is one; a step's
-    CPU is the ranks' sum): where cores are shared that CPU is another rank's time. So each
-    figure decides only where its steps tell the phases apart.
+    CPU is the ranks' sum): where cores are shared that CPU is another rank's time. Where none
+    did, the one of least time plus CPU, each relative to the fastest's: neither a few per cent
+    of CPU buys a much slower step, nor a tenth of a millisecond a few per cent more CPU.
     Returns ``{"kept", "best", "unmerged_s", "planned_s", "trials_s", "noise_s", "unmerged_cpu_s",
     "trials_cpu_s", "control_s", "by"}``: whether a plan is kept, the index of the kept (else the
     fastest) trial, the medians compared, the noise, the job's CPU a step of each, the control's
@@ -144,16 +145,20 @@ def judge_trial(
     phases = [unmerged, *medians]
     chosen = fastest + 1 if medians[fastest] < unmerged else 0
     if cpus:
-        # ... or, of those as fast (within the noise or by chance) that clearly spent less CPU, the fastest.
+        # ... or, of those as fast (within the noise or by chance), the fastest that clearly spent
+        # less CPU; where none did, the least time and CPU together, each relative to the fastest's.
         band = max(noise, TIE_FRACTION * phases[chosen])
-        frugal = [
+        fast = chosen
+        ties = [
             i
             for i, t in enumerate(phases)
-            if i != chosen
-            and (t <= phases[chosen] + band or rank_sum_p(runs[chosen], runs[i]) >= ALPHA)
-            and rank_sum_p(cpu_runs[i], cpu_runs[chosen]) < ALPHA
+            if i != fast and (t <= phases[fast] + band or rank_sum_p(runs[fast], runs[i]) >= ALPHA)
         ]
-        chosen = min(frugal, key=lambda i: (phases[i], i), default=chosen)
+        frugal = [i for i in ties if rank_sum_p(cpu_runs[i], cpu_runs[fast]) < ALPHA]
+        if frugal:
+            chosen = min(frugal, key=lambda i: (phases[i], i))
+        else:  # t_i / t_fast + c_i / c_fast, multiplied out
+            chosen = min([fast, *ties], key=lambda i: (phases[i] * cpus[fast] + cpus[i] * phases[fast], i != fast, i))
     by = "time" if phases[chosen] == min(phases) else "cpu"
     return {
         "kept": chosen != 0,
