@@ -3,9 +3,10 @@
 The planners' timeline is a model; on a host whose cores the workers share, what a merged message
 costs the backward it waits on is not in it. So each candidate plan runs for a few steps (its
 trial) and the job keeps the fastest one only if it beat the warm-up's one message per layer, or,
-as fast within the noise or by chance (the rank-sum test), the one that spent the least CPU. One
-message per layer runs again after the trials (the control): its steps and the warm-up's bracket
-the trials, so a host that got slower or faster meanwhile shows as noise instead of deciding.
+as fast within the noise or by chance (the rank-sum test), one that clearly spent less CPU, else
+the least time plus CPU. One message per layer runs again after the trials (the control): its
+steps and the warm-up's bracket the trials, so a host that got slower or faster meanwhile shows
+as noise instead of deciding.
 
 The controller does no I/O and knows nothing of torch: the trainer feeds it step times and the
 figures every rank agreed on, and carries out what it answers (rebuild the syncers with a plan,
@@ -135,11 +136,11 @@ def judge_trial(
     medians = [job_median(trial) for trial in trials]
     cpus, cpu_runs = [], []
     if cpu is not None and len(cpu) == len(trials) + 1 + bool(control):
-        unmerged_cpu = (cpu[0], *cpu[len(trials) + 1 :])
-        cpus = [job_cpu(*unmerged_cpu), *(job_cpu(c) for c in cpu[1 : len(trials) + 1])]
-        cpu_runs = [job_cpu_steps(*unmerged_cpu), *(job_cpu_steps(c) for c in cpu[1 : len(trials) + 1])]
+        # Phase 0, one message per layer, is the warm-up's and the control's steps together.
+        each = [(cpu[0], *cpu[len(trials) + 1 :]), *((c,) for c in cpu[1 : len(trials) + 1])]
+        cpus, cpu_runs = [job_cpu(*p) for p in each], [job_cpu_steps(*p) for p in each]
     cpus = cpus if all(c < float("inf") for c in cpus) else []  # a rank without figures: time alone
-    runs = [job_steps(warm) + (job_steps(control) if control else []), *(job_steps(t) for t in trials)]
+    runs = [steps + (job_steps(control) if control else []), *(job_steps(t) for t in trials)]
     fastest = min(range(len(medians)), key=lambda i: (medians[i], i))
     # Phase 0 is the warm-up, then the trials in order: the fastest (the warm-up on a tie) ...
     phases = [unmerged, *medians]

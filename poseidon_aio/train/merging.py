@@ -160,7 +160,8 @@ class MergeTuning:
         """Every rank's step times and CPU go round and each rank reaches the same verdict
         (:func:`~poseidon_aio.sync.trial.judge_trial`): the fastest plan if it made the step
         faster than the warm-up's one message per layer, or of those as fast within the noise or
-        by chance the one that spent the least CPU; otherwise one message per layer."""
+        by chance one that clearly spent less CPU, else the least time plus CPU; otherwise one
+        message per layer."""
         p = self.planning
         mine = json.dumps(self.trial.figures())
         seen = await p.job.rendezvous.exchange(f"merge-trial/{p.generation}", mine, range(p.world))
@@ -207,14 +208,17 @@ class MergeTuning:
 
 
 def _by_cpu(figures: dict, cpu) -> str:
-    """The log line's reason where the CPU decided the verdict (``cpu``: the kept phase's), else ``""``."""
+    """The log line's reason where the CPU decided the verdict (``cpu``: the kept phase's), else
+    ``""``: its CPU against the fastest phase's, the one it was kept over (the least CPU of all
+    need not be the kept phase's since the CPU decides only where it tells phases apart)."""
     if figures.get("by") != "cpu" or cpu is None:
         return ""
-    others = [c for c in (figures["unmerged_cpu_s"], *figures["trials_cpu_s"]) if c is not None and c != cpu]
+    times = (figures["unmerged_s"], *figures["trials_s"])
+    fastest = (figures["unmerged_cpu_s"], *figures["trials_cpu_s"])[times.index(min(times))]
     return (
         f" (as fast within the noise, {figures['noise_s'] * 1e3:.1f} ms, or by chance; "
-        f"the job's CPU {cpu * 1e3:.1f} ms a step against {min(others) * 1e3:.1f})"
-        if others
+        f"the job's CPU {cpu * 1e3:.1f} ms a step against {fastest * 1e3:.1f} for the fastest)"
+        if fastest is not None
         else ""
     )
 
