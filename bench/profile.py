@@ -55,9 +55,7 @@ class Sampler:
             self._proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self._proc.kill()
-        spent = collections.Counter()
-        for tid, (name, seconds) in cpu.items():
-            spent[thread_kind(name)] += seconds - self._cpu0.get(tid, (name, 0.0))[1]
+        spent = {kind: seconds for kind, (seconds, _) in cpu_by_kind(self._cpu0, cpu).items()}
         with open(self.path + ".cpu.json", "w") as f:
             json.dump({**spent, "syscalls": {k: io[k] - self._io0[k] for k in io}}, f)
 
@@ -70,20 +68,40 @@ def io_calls() -> dict:
 
 
 def thread_cpu() -> dict:
-    """``{tid: (name, CPU seconds)}`` of this process's threads, from /proc (C++ threads too)."""
+    """``{tid: (name, CPU seconds, runs)}`` of this process's threads, from /proc (C++ threads too):
+    the scheduler's nanoseconds and how many times it put the thread on a core (``schedstat``: a
+    thread woken from a wait, or preempted and resumed, is one run more), else its CPU ticks and
+    no runs (0)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
             with open(f"/proc/self/task/{tid}/comm") as f:
                 comm = f.read().strip()
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    ns, _, runs = f.read().split()[:3]
+                seconds, runs = int(ns) / 1e9, int(runs)
+            except OSError:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+                seconds, runs = (int(fields[11]) + int(fields[12])) / tick, 0
         except OSError:  # the thread ended meanwhile
             continue
-        out[int(tid)] = (names.get(int(tid), comm), (int(fields[11]) + int(fields[12])) / tick)
+        out[int(tid)] = (names.get(int(tid), comm), seconds, runs)
     return out
+
+
+def cpu_by_kind(before: dict, after: dict) -> dict:
+    """``{thread kind: (CPU seconds, runs)}`` between two :func:`thread_cpu` readings (a thread
+    that started between them counts from zero)."""
+    spent: dict = {}
+    for tid, (name, seconds, runs) in after.items():
+        _, seconds0, runs0 = before.get(tid, (name, 0.0, 0))
+        cpu, n = spent.get(thread_kind(name), (0.0, 0))
+        spent[thread_kind(name)] = (cpu + seconds - seconds0, n + runs - runs0)
+    return spent
 
 
 # Where the innermost Python frame is, first match wins: (what, pattern on "function (file:line)").
@@ -149,7 +167,10 @@ def place(frame: str) -> str:
 
 
 def thread_kind(name: str) -> str:
-    """``poseidon-compute_0`` -> ``compute``: the trainer's threads by their job."""
+    """``poseidon-compute_0`` -> ``compute``: the trainer's threads by their job; gloo's C++
+    threads (``gloo_tcp_loop``, ``pt_gloo_runloop``) are ``gloo``."""
+    if "gloo" in name:
+        return "gloo"
     name = re.sub(r"_\d+$", "", name)
     return {"MainThread": "main"}.get(name, name.removeprefix("poseidon-"))
 

@@ -94,7 +94,15 @@ def worker(cfg: dict) -> None:
         run = run.replace(":", "_")
         sampler = Sampler(os.path.join(cfg["profile"], f"{run}-rank{cfg['rank']}.txt"), native=cfg.get("native"))
 
+    from bench.profile import cpu_by_kind, thread_cpu
+
+    threads = {}  # thread_cpu() at the first timed step, then each kind's CPU over the timed steps
+
     def read_iface(when: str) -> None:
+        if when == "start":
+            threads["start"] = thread_cpu()
+        else:
+            threads.update(cpu_by_kind(threads.pop("start"), thread_cpu()))
         if sampler is not None:  # the timed steps, and nothing else, are sampled
             sampler.start() if when == "start" else sampler.stop()
         if counting:
@@ -213,6 +221,10 @@ def worker(cfg: dict) -> None:
         extra["iface"] = {way: iface[("end", way)] - iface[("start", way)] for way in ("tx", "rx")}
         extra["tcp"] = {k: v - iface[("start", "tcp")][k] for k, v in iface[("end", "tcp")].items()}
     with open(cfg["out"], "w") as f:
+        # Each thread kind's CPU and runs on a core a timed step (gloo's C++ threads too).
+        extra["threads"] = {
+            kind: (seconds / cfg["steps"], runs / cfg["steps"]) for kind, (seconds, runs) in threads.items()
+        }
         json.dump({"times": times[cfg["warmup"] :], "cpu": cpu[cfg["warmup"] :], **extra}, f)
     # gloo's teardown can hang once peers are gone; the result is written, leave at once.
     sys.stdout.flush()
@@ -252,6 +264,11 @@ def run_config(impl: str, model: str, world: int, link: str, compute: str, args,
     result = {"step_s": statistics.median(steps), "rank0": ranks[0], "cpu_s": job_cpu(ranks)}
     if "loop_cpu_s" in ranks[0]:
         result["loop_cpu_s"] = [r["loop_cpu_s"] for r in ranks]
+    kinds = sorted({kind for r in ranks for kind in r["threads"]})
+    # Each thread kind's CPU and runs a step, the means over the ranks.
+    result["threads"] = {
+        k: tuple(sum(r["threads"].get(k, (0.0, 0.0))[j] for r in ranks) / len(ranks) for j in (0, 1)) for k in kinds
+    }
     if "bytes" in ranks[0]:
         result["compute_s"] = max(r["compute_s"] for r in ranks)
         result["bytes"] = max(r["bytes"] for r in ranks)  # in + out, the busiest rank
@@ -368,6 +385,12 @@ def main(argv=None) -> dict:
                                 f", event loop CPU per rank {[round(c * 1e3, 1) for c in result['loop_cpu_s']]} ms"
                                 if "loop_cpu_s" in result
                                 else ""
+                            )
+                            + "; a rank's by thread: "
+                            + ", ".join(
+                                f"{k} {cpu * 1e3:.2f} ms ({runs:.0f} runs)"
+                                for k, (cpu, runs) in sorted(result["threads"].items(), key=lambda kv: -kv[1][0])
+                                if cpu >= 5e-5
                             ),
                             file=sys.stderr,
                             flush=True,
@@ -381,6 +404,16 @@ def main(argv=None) -> dict:
                     **{i: results[i]["step_s"] for i in impls},
                 }
                 row["cpu"] = {i: results[i]["cpu_s"] for i in impls}
+                # Each thread kind's CPU and runs a step and rank: the median over the repeats.
+                row["threads"] = {
+                    i: {
+                        k: tuple(
+                            statistics.median(run["threads"].get(k, (0.0, 0.0))[j] for run in runs[i]) for j in (0, 1)
+                        )
+                        for k in sorted({k for run in runs[i] for k in run["threads"]})
+                    }
+                    for i in impls
+                }
                 tag = f"{model}_{link}_{compute}_{world}w"
                 if "poseidon" in results:
                     row["bound"] = lower_bound(results["poseidon"], link)
@@ -443,6 +476,24 @@ def main(argv=None) -> dict:
         for r in rows:
             cells = " | ".join(f"{m:.3f} ({lo:.3f}–{hi:.3f})" for m, lo, hi in r["vs_first"].values())
             lines.append(f"| {r['link']} | {r['compute']} | {r['model']} | {r['workers']} | {cells} |")
+    lines += [
+        "",
+        "CPU a step and rank by thread, ms (runs: times the thread was put on a core, a wake-up each), "
+        "the median over the repeats:",
+        "",
+        "| link | compute | model | workers | " + " | ".join(impls) + " |",
+        "|---|---|---|---|" + "---|" * len(impls),
+    ]
+    for r in rows:
+        cells = " | ".join(
+            ", ".join(
+                f"{k} {cpu * 1e3:.2f} ({runs:.0f})"
+                for k, (cpu, runs) in sorted(r["threads"][i].items(), key=lambda kv: -kv[1][0])
+                if cpu >= 5e-5
+            )
+            for i in impls
+        )
+        lines.append(f"| {r['link']} | {r['compute']} | {r['model']} | {r['workers']} | {cells} |")
     print("\n".join(lines))
     for n in notes:
         print(f"\nnote: {n}")

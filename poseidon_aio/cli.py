@@ -158,7 +158,13 @@ def _explain(args: argparse.Namespace) -> int:
 
         def sfb(k: int) -> bool:
             choice = hybcomm_choice(
-                layer.with_rows(k), args.workers, servers, link=link, candidates=candidates, hosts=on_hosts
+                layer.with_rows(k),
+                args.workers,
+                servers,
+                link=link,
+                candidates=candidates,
+                hosts=on_hosts,
+                merged=not args.unmerged,
             )
             return choice is Scheme.SFB
 
@@ -188,7 +194,9 @@ def _explain(args: argparse.Namespace) -> int:
     for layer in layers:
         cost = layer_cost(layer, args.workers, servers)
         choice = best_scheme(layer, args.workers, servers)
-        hybrid = hybcomm_choice(layer, args.workers, servers, link=link, candidates=candidates, hosts=hosts)
+        hybrid = hybcomm_choice(
+            layer, args.workers, servers, link=link, candidates=candidates, hosts=hosts, merged=not args.unmerged
+        )
         floats = {
             Scheme.PS: cost.ps_combined,
             Scheme.SFB: cost.sfb,
@@ -218,7 +226,9 @@ def _explain(args: argparse.Namespace) -> int:
             "cluster_adam": cost.cluster_adam if fc else None,
         }
         if hosts is not None:  # the same job with every worker a peer of its own, beside it
-            row["hybcomm_flat"] = hybcomm_choice(layer, args.workers, servers, link=link, candidates=candidates).value
+            row["hybcomm_flat"] = hybcomm_choice(
+                layer, args.workers, servers, link=link, candidates=candidates, merged=not args.unmerged
+            ).value
             row["sfb_up_to_k"] = sfb_up_to(layer, hosts)
             row["sfb_up_to_k_flat"] = sfb_up_to(layer, None)
         rows.append(row)
@@ -283,6 +293,7 @@ def _explain(args: argparse.Namespace) -> int:
     print(
         f"hybcomm: the least predicted time among {', '.join(c.value for c in candidates)} on {what}; "
         "ties go to the paper's choice"
+        + ("" if args.unmerged or not args.alpha else "; a mergeable scheme's start-ups are its merge group's")
     )
     if hosts is not None:
         print(
@@ -351,6 +362,7 @@ def _explain_compression(args: argparse.Namespace, candidates: tuple, link) -> i
         candidates=candidates,
         compression=LossyPlanner(config, costs),
         report=report,
+        merged=not args.unmerged,
     )
     if args.json:
         out = {
@@ -540,6 +552,12 @@ def main(argv=None) -> int:
     )
     explain.add_argument("--alpha", type=float, default=0.0, help="start-up per round of messages, microseconds")
     explain.add_argument("--schemes", default="ps,sfb,allreduce", help="what HybComm weighs (the paper's: ps,sfb)")
+    explain.add_argument(
+        "--unmerged",
+        action="store_true",
+        help="every layer a message of its own (MergeConfig(kind='none')); by default, as the trainer plans, a "
+        "mergeable scheme's start-ups are its merge group's",
+    )
     explain.add_argument(
         "--compression",
         choices=["auto", "fp16", "powersgd", "topk"],

@@ -191,3 +191,38 @@ def test_every_syncer_takes_what_the_planners_know_of_its_scheme():
     assert {s for s in Scheme if s.captures_factors} == {Scheme.SFB, Scheme.ADAM}
     assert {s for s in Scheme if s.mergeable} == {Scheme.PS, Scheme.ALLREDUCE, Scheme.POWERSGD, Scheme.TOPK}
     assert {s: s.rounds for s in Scheme if s.rounds != 1} == {Scheme.POWERSGD: 2}
+
+
+def test_hybcomm_charges_a_merged_layer_its_bytes_and_its_group_the_start_ups():
+    from poseidon_aio.plan import Link, hybcomm_choice
+
+    link = Link.of_bandwidth(125e6, alpha=300e-6)  # 1 Gbit, a message 0.3 ms
+    # A ResNet-20's head (64 -> 10, K = 32): as a message of its own SFB's one start-up beats the
+    # PS's two; merged into the PS message before it, the head costs that message its bytes only.
+    head = LayerShape("head", "fc", 10, 64, rows=32, bias=True)
+    assert hybcomm_choice(head, 2, 2, link=link) is Scheme.SFB
+    assert hybcomm_choice(head, 2, 2, link=link, merged=True) in (Scheme.PS, Scheme.ALLREDUCE)
+    # Where bytes decide, merging changes nothing: a large FC layer stays SFB.
+    fc = LayerShape("fc7", "fc", 4096, 4096, rows=32, bias=True)
+    assert hybcomm_choice(fc, 2, 2, link=link, merged=True) is Scheme.SFB
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    m=st.integers(1, 4096),
+    n=st.integers(1, 4096),
+    k=st.integers(1, 512),
+    workers=st.integers(2, 16),
+    alpha=st.sampled_from([0.0, 50e-6, 300e-6, 2e-3]),
+)
+def test_merging_only_ever_moves_a_layer_to_a_mergeable_scheme(m, n, k, workers, alpha):
+    from poseidon_aio.plan import Link, hybcomm_choice
+
+    layer = LayerShape("fc", "fc", m, n, rows=k, bias=True)
+    link = Link.of_bandwidth(125e6, alpha=alpha)
+    alone = hybcomm_choice(layer, workers, workers, link=link)
+    merged = hybcomm_choice(layer, workers, workers, link=link, merged=True)
+    if alpha == 0.0 or alone.mergeable:  # (the mergeable schemes all lose the same start-ups)
+        assert merged is alone
+    else:
+        assert merged is alone or merged.mergeable, (alone, merged)

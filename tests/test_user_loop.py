@@ -240,12 +240,16 @@ def test_the_ddp_script_and_its_port_train_alike_and_save_a_bare_model(tmp_path)
 @given(
     batches=st.lists(st.integers(1, 6), min_size=2, max_size=3),
     form=st.sampled_from(["step", "own loop"]),
+    hybcomm=st.sampled_from([("ps",), ("sfb", "allreduce")]),
 )
-@example(batches=[30, 29], form="step")
-def test_ranks_with_uneven_batches_finish_or_fail_at_once_never_at_the_sync_timeout(batches, form):
+@example(batches=[30, 29], form="step", hybcomm=("ps",))
+@example(batches=[30, 29], form="step", hybcomm=("sfb", "allreduce"))
+def test_ranks_with_uneven_batches_finish_or_fail_at_once_never_at_the_sync_timeout(batches, form, hybcomm):
+    # The parameter server's links (a shard on every rank, "ps-done" before a rank leaves) and
+    # the mesh's alone (SFB, all-reduce) end differently: both must end at once.
     from .support.loopworkers import uneven_worker
 
-    res = run_workers(len(batches), uneven_worker, batches, form, timeout=120)
+    res = run_workers(len(batches), uneven_worker, batches, form, hybcomm, timeout=120)
     fewest = min(batches)
     for r, (how, last_step_s) in res.items():
         if batches[r] == fewest:

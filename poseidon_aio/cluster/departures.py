@@ -9,7 +9,9 @@ still reads a step from.
 A rank whose step failed says why before it closes its links (``FAILED_KEY``): a peer whose sync
 then breaks on that closed link fails with that reason, the root cause (a worker killed on
 another host, its host and local rank named), not with "closed the connection". A link carries
-frames in order, so the reason is in before the close is seen.
+frames in order, so the reason is in before the close is seen; a parameter server's links are
+not the mesh's, so a sync that breaks there waits a moment (``REASON_GRACE_S``) for the peers'
+reasons before it fails.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ FAILED_KEY = 2  # the CONTROL frame key of "my step failed, and why" (clock 0)
 # A reason is one line for a person to read; a peer's longer one is cut.
 _REASON_MAX = 600
 _SIGNALS = ("SIGTERM", "SIGINT")  # the signals a peer may say it was stopped by
+# How long a sync broken on a link other than the mesh's (a shard's) waits for a peer's reason
+# on the mesh: that peer sent it before closing its links, so it is at most a moment behind.
+REASON_GRACE_S = 1.0
 
 
 class Departures:
@@ -135,7 +140,8 @@ class Departures:
             # awaits it now, so read it here.
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
             raise
-        except ConnectionLost as lost:
+        except (ConnectionLost, WorkerLeft) as lost:  # (WorkerLeft: a shard lost a peer's link)
+            await self._hear_reasons(REASON_GRACE_S)
             exc = self._root_cause(lost)
             if self.failure is None:
                 self.failure = exc
@@ -150,8 +156,21 @@ class Departures:
         await asyncio.gather(task, return_exceptions=True)
         raise exc
 
-    def _root_cause(self, lost: ConnectionLost) -> ConnectionLost:
-        """``lost``, or where a peer said its step had failed first, that peer's reason."""
+    async def _hear_reasons(self, grace: float) -> None:
+        """Wait, ``grace`` seconds at most, until some peer has said why it stopped or every mesh
+        link has said or ended (a peer killed outright says nothing)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while not self.stopped:
+            waiting = [fut for fut in self._reasons.values() if not fut.done()]
+            left = deadline - loop.time()
+            if not waiting or left <= 0:
+                return
+            await asyncio.wait(waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+
+    def _root_cause(self, lost):
+        """``lost`` (ConnectionLost or WorkerLeft), or where a peer said its step had failed
+        first, that peer's reason."""
         if not self.stopped:
             return lost
         q = min(self.stopped)

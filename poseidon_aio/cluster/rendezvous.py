@@ -477,6 +477,17 @@ class Rendezvous:
         """
         await self.exchange(f"barrier/{name}", "1", range(self.env.world_size))
 
+    async def arrive(self, name: str) -> None:
+        """Count this rank at the barrier ``name`` without waiting there: a rank leaving early (its
+        step failed) that will never wait, so the ranks waiting there need not wait for it. Best
+        effort, never raises: the store may be what failed."""
+        if self._store is None:
+            return
+        try:
+            await self.publish(f"barrier/{name}/{self.env.rank}", "1")
+        except PoseidonError:
+            pass
+
     async def check_manifest(self, manifest: Manifest) -> None:
         """Fail on every rank if any rank's manifest differs, naming the parameter and ranks.
 

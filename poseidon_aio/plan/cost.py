@@ -44,7 +44,7 @@ L flows on the host's link.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from ..errors import ConfigError
@@ -353,8 +353,16 @@ def hybcomm_choice(
     candidates=HYBCOMM_SCHEMES,
     chunk_bytes: int = 2 << 20,
     hosts: Optional[Hosts] = None,
+    merged: bool = False,
 ) -> Scheme:
     """The candidate with the least :func:`predicted_time`; a tie goes to Algorithm 1's choice.
+
+    ``merged``: MG-WFBP will merge small consecutive layers of a mergeable scheme into one
+    message (the trainer's default). Such a layer's start-ups are then its group's, not its own,
+    so a mergeable candidate is weighed on its bytes alone and a scheme that cannot merge (SFB,
+    rows) still pays its start-up: a small FC head goes with the PS message of the layers before
+    it rather than as a message of its own. A large layer travels alone, but there ``alpha`` is
+    too small beside its bytes to change the choice.
 
     >>> hybcomm_choice(LayerShape("fc7", "fc", 4096, 4096, rows=32), 8, 8)
     <Scheme.SFB: 'sfb'>
@@ -364,9 +372,15 @@ def hybcomm_choice(
     <Scheme.PS: 'ps'>
     """
     paper = best_scheme(layer, workers, servers)
-    times = {
-        c: predicted_time(layer, c, workers, servers, link, chunk_bytes=chunk_bytes, hosts=hosts) for c in candidates
-    }
+    shared_link = replace(link, alpha=0.0)
+    shared_hosts = replace(hosts, inside=replace(hosts.inside, alpha=0.0)) if hosts is not None else None
+
+    def time_of(c) -> float:
+        if merged and Scheme(c).mergeable:  # the group's start-ups, not this layer's
+            return predicted_time(layer, c, workers, servers, shared_link, chunk_bytes=chunk_bytes, hosts=shared_hosts)
+        return predicted_time(layer, c, workers, servers, link, chunk_bytes=chunk_bytes, hosts=hosts)
+
+    times = {c: time_of(c) for c in candidates}
     best = min(times.values())
     if paper in times and times[paper] <= best:
         return paper

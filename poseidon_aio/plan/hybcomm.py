@@ -67,6 +67,7 @@ def choose_schemes(
     compression=None,
     report: Optional[dict] = None,
     hosts: Optional[Hosts] = None,
+    merged: bool = False,
 ) -> dict:
     """``{layer name: Scheme}``.
 
@@ -82,6 +83,8 @@ def choose_schemes(
         report: filled with ``{layer name: Weighing}`` (candidates, predicted times, choice).
         hosts: the job's :class:`~poseidon_aio.plan.cost.Hosts` where they run several workers
             each: the candidates' times are then the host's link's (``predicted_time``).
+        merged: MG-WFBP merges small layers (``hybcomm_choice``): a mergeable candidate's
+            start-ups are its merge group's.
     Raises:
         ConfigError: an override names a scheme the layer cannot use, a layer the model does not
             have, or a scheme the mode does not use.
@@ -128,6 +131,7 @@ def choose_schemes(
                 candidates=usable,
                 chunk_bytes=chunk_bytes,
                 hosts=hosts,
+                merged=merged,
             )
         else:
             scheme = Scheme.PS

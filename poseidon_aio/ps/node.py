@@ -239,6 +239,13 @@ class PSNode:
             raise
         await self.teardown(linger=None)
 
+    async def abandon(self) -> None:
+        """Leave after this rank's step failed: it is done with every shard, so the ranks that
+        finished their steps (and wait at "ps-done" for every rank) need not wait for it (a peer
+        with fewer batches, whose departure failed this rank's step); then close at once."""
+        await self._rdzv.arrive("ps-done")
+        await self.teardown()
+
     async def teardown(self, linger: Optional[float] = 5.0) -> None:
         """Close connections and the shard now, without waiting for the other ranks (a failed job)."""
         client = getattr(self, "client", None)

@@ -214,13 +214,14 @@ class Applier:
         # sees the same aggregate, so every rank decides alike); scanning every aggregate would
         # cost a pass over the model's gradients per step. A parameter frozen for this step
         # (requires_grad off) gets no gradient either.
-        wanted = set(chosen)
-        for layer in self.plan.layers:
-            if self.plan.host_outs(layer):
-                for i in layer.param_ids:
-                    if i in wanted:
-                        self.aggregates.to_device(state, i)
-        self.staging.wait()
+        if self.gpu:  # (on the CPU the wire wrote the aggregates themselves: nothing to copy)
+            wanted = set(chosen)
+            for layer in self.plan.layers:
+                if self.plan.host_outs(layer):
+                    for i in layer.param_ids:
+                        if i in wanted:
+                            self.aggregates.to_device(state, i)
+            self.staging.wait()
         with torch.no_grad():
             for i in chosen:
                 p = self.named[i][1]

@@ -161,6 +161,7 @@ class Planning:
                 compression=planner,
                 report=self.compression_plan,
                 hosts=await self.agreed_hosts() if s.mode is Mode.POSEIDON and self.world > 1 else None,
+                merged=s.merge.kind is not MergeKind.NONE,
             )
             if self.compression_plan:
                 log.info("rank %d: lossy plan\n%s", self.rank, lossy.describe(self.compression_plan))
@@ -236,7 +237,7 @@ class Planning:
         if self.node is None:
             return
         if failed:
-            await self.node.teardown()
+            await self.node.abandon()
         else:
             await self.node.close()
         self.node = None

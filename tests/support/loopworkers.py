@@ -304,9 +304,10 @@ def short_form_amp_worker(rank: int, spec: dict, seed: int, steps: int, clip, in
     return poseidon_aio.run(main())
 
 
-def uneven_worker(rank: int, batches: list, form: str):
+def uneven_worker(rank: int, batches: list, form: str, hybcomm: tuple = ("ps", "sfb", "allreduce")):
     """Rank ``r`` trains on ``batches[r]`` batches, then leaves the trainer; returns how it ended
-    and how long its last step took."""
+    and how long its last step took. ``hybcomm``: the schemes its layers may take (the parameter
+    server's links or the mesh's)."""
     import time
 
     import poseidon_aio
@@ -324,7 +325,9 @@ def uneven_worker(rank: int, batches: list, form: str):
     async def main():
         last = time.monotonic()
         try:
-            async with poseidon_aio.Trainer(model, opt, loss_fn, ps=PSConfig(sync_timeout=60)) as trainer:
+            async with poseidon_aio.Trainer(
+                model, opt, loss_fn, ps=PSConfig(sync_timeout=60), hybcomm=hybcomm
+            ) as trainer:
                 for t in range(batches[rank]):
                     last = time.monotonic()
                     if form == "step":

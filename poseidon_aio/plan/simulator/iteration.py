@@ -200,6 +200,7 @@ class Simulator:
                 candidates=self.hybcomm,
                 chunk_bytes=chunk_bytes,
                 hosts=self.hosts,
+                merged=True,  # as the trainer plans with its default merging (best)
             )
             for layer in self.layers:
                 layer.scheme = Scheme(chosen[layer.name])
