@@ -52,9 +52,13 @@ def address(i: int) -> str:
 
 
 def teardown(n: int = 64) -> None:
-    """Remove this process's namespaces (their veths go with them) and its bridge."""
+    """Remove this process's namespaces, their veths and its bridge. A veth goes with its
+    namespace only once the kernel frees it, which a worker still exiting delays: deleting its
+    host end here frees the name for the next run's at once."""
     for i in range(n):
-        subprocess.run(["ip", "netns", "del", _names(i)[0]], capture_output=True)
+        ns, host_end = _names(i)
+        subprocess.run(["ip", "link", "del", host_end], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
     subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
 
 
