@@ -264,15 +264,25 @@ def run_config(impl: str, model: str, world: int, link: str, compute: str, args,
     result = {"step_s": statistics.median(steps), "rank0": ranks[0], "cpu_s": job_cpu(ranks)}
     if "loop_cpu_s" in ranks[0]:
         result["loop_cpu_s"] = [r["loop_cpu_s"] for r in ranks]
-    kinds = sorted({kind for r in ranks for kind in r["threads"]})
     # Each thread kind's CPU and runs a step, the means over the ranks.
-    result["threads"] = {
-        k: tuple(sum(r["threads"].get(k, (0.0, 0.0))[j] for r in ranks) / len(ranks) for j in (0, 1)) for k in kinds
-    }
+    result["threads"] = by_thread_kind([r["threads"] for r in ranks], statistics.mean)
     if "bytes" in ranks[0]:
         result["compute_s"] = max(r["compute_s"] for r in ranks)
         result["bytes"] = max(r["bytes"] for r in ranks)  # in + out, the busiest rank
     return result
+
+
+def by_thread_kind(readings: list, reduce) -> dict:
+    """``{thread kind: (CPU s, runs)}``, each of the two ``reduce``d over ``readings`` (ranks, or
+    repeats) of the same form; a kind missing from one counts 0 there."""
+    kinds = sorted({kind for reading in readings for kind in reading})
+    return {k: tuple(reduce([reading.get(k, (0.0, 0.0))[j] for reading in readings]) for j in (0, 1)) for k in kinds}
+
+
+def threads_text(threads: dict) -> str:
+    """``loop 3.22 (12), compute 2.36 (6)``: each thread kind's CPU ms and runs, the busiest first."""
+    busiest = sorted(threads.items(), key=lambda kv: -kv[1][0])
+    return ", ".join(f"{k} {cpu * 1e3:.2f} ({runs:.0f})" for k, (cpu, runs) in busiest if cpu >= 5e-5)
 
 
 def lower_bound(result: dict, link: str) -> float:
@@ -386,12 +396,7 @@ def main(argv=None) -> dict:
                                 if "loop_cpu_s" in result
                                 else ""
                             )
-                            + "; a rank's by thread: "
-                            + ", ".join(
-                                f"{k} {cpu * 1e3:.2f} ms ({runs:.0f} runs)"
-                                for k, (cpu, runs) in sorted(result["threads"].items(), key=lambda kv: -kv[1][0])
-                                if cpu >= 5e-5
-                            ),
+                            + f"; a rank's by thread, ms (runs): {threads_text(result['threads'])}",
                             file=sys.stderr,
                             flush=True,
                         )
@@ -406,13 +411,7 @@ def main(argv=None) -> dict:
                 row["cpu"] = {i: results[i]["cpu_s"] for i in impls}
                 # Each thread kind's CPU and runs a step and rank: the median over the repeats.
                 row["threads"] = {
-                    i: {
-                        k: tuple(
-                            statistics.median(run["threads"].get(k, (0.0, 0.0))[j] for run in runs[i]) for j in (0, 1)
-                        )
-                        for k in sorted({k for run in runs[i] for k in run["threads"]})
-                    }
-                    for i in impls
+                    i: by_thread_kind([run["threads"] for run in runs[i]], statistics.median) for i in impls
                 }
                 tag = f"{model}_{link}_{compute}_{world}w"
                 if "poseidon" in results:
@@ -485,14 +484,7 @@ def main(argv=None) -> dict:
         "|---|---|---|---|" + "---|" * len(impls),
     ]
     for r in rows:
-        cells = " | ".join(
-            ", ".join(
-                f"{k} {cpu * 1e3:.2f} ({runs:.0f})"
-                for k, (cpu, runs) in sorted(r["threads"][i].items(), key=lambda kv: -kv[1][0])
-                if cpu >= 5e-5
-            )
-            for i in impls
-        )
+        cells = " | ".join(threads_text(r["threads"][i]) for i in impls)
         lines.append(f"| {r['link']} | {r['compute']} | {r['model']} | {r['workers']} | {cells} |")
     print("\n".join(lines))
     for n in notes:

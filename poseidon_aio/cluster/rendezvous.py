@@ -475,7 +475,7 @@ class Rendezvous:
         Raises:
             PeerTimeout, StartupAborted, ConnectionLost: as :meth:`read`.
         """
-        await self.exchange(f"barrier/{name}", "1", range(self.env.world_size))
+        await self.exchange(_barrier(name), "1", range(self.env.world_size))
 
     async def arrive(self, name: str) -> None:
         """Count this rank at the barrier ``name`` without waiting there: a rank leaving early (its
@@ -484,7 +484,7 @@ class Rendezvous:
         if self._store is None:
             return
         try:
-            await self.publish(f"barrier/{name}/{self.env.rank}", "1")
+            await self.publish(f"{_barrier(name)}/{self.env.rank}", "1")  # as exchange() publishes it
         except PoseidonError:
             pass
 
@@ -549,3 +549,8 @@ class Rendezvous:
             pass  # a rank that does not leave in time, or a store already gone: nothing to wait for
         finally:
             self._store = None
+
+
+def _barrier(name: str) -> str:
+    """The store name of barrier ``name``: each rank's arrival is ``{it}/{rank}``."""
+    return f"barrier/{name}"

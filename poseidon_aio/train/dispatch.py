@@ -176,10 +176,8 @@ class Dispatch:
         """After the backward: the naive mode's held layers, and layers that gave no gradient."""
         self._handoff.drain()  # hooks' layers not launched yet keep their ready times
         state.compute_done = True
-        launched = state.launched
         for layer in [*state.deferred, *reversed(self.layers)]:
-            if layer.index not in launched:
-                self._launch(state, layer)
+            self._launch(state, layer)
 
     def remove(self) -> None:
         for hook in [*self.ready.values(), *self.captures.values(), *self._tokens, self._forward_end]:
