@@ -20,6 +20,7 @@ BENCHES = {
     "hosts": "bench.hosts",
     "profile": "bench.profile",
     "inside": "bench.inside",
+    "idle": "bench.idle",
 }
 
 

@@ -50,11 +50,12 @@ SETUPS = [("loopback", "real"), ("1gbit", "real"), ("1gbit", "replayed"), ("100m
 
 def impl_variant(impl: str) -> tuple:
     """``bench.parse_impl`` with this bench's settings: ours ``chunk``, ``merge``, ``allreduce``,
-    ``hybcomm`` (as ``ps+allreduce``), ``early`` (``OptimizerConfig.early_step_bytes``, 0: off),
+    ``hybcomm`` (as ``ps+allreduce``), ``spread`` and ``pipeline`` (``PSConfig.group_spread_bytes``
+    and ``group_pipeline_bytes``), ``early`` (``OptimizerConfig.early_step_bytes``, 0: off),
     ``loop=own`` (the user's own loop: ``loss.backward()``, ``await trainer.synchronize()``,
     ``opt.step()``, instead of ``await trainer.step(batch)``), ``hosts`` (``Trainer(hosts=...)``,
     bench hosts); DDP's ``sparse=1``."""
-    ours = {"chunk", "merge", "allreduce", "hybcomm", "early", "loop", "hosts"}
+    ours = {"chunk", "merge", "allreduce", "hybcomm", "spread", "pipeline", "early", "loop", "hosts"}
     return parse_impl(impl, {"ddp": {"sparse"}, **{m: ours for m in IMPLS if m != "ddp"}})
 
 
@@ -162,7 +163,8 @@ def worker(cfg: dict) -> None:
             stats = []
             mode, variant = impl_variant(cfg["impl"])
             ps = poseidon_aio.PSConfig(
-                group_spread_bytes=cfg.get("group_spread_bytes"),
+                group_spread_bytes=int(variant["spread"]) if "spread" in variant else cfg.get("group_spread_bytes"),
+                group_pipeline_bytes=int(variant["pipeline"]) if "pipeline" in variant else None,
                 chunk_bytes=int(variant.get("chunk", poseidon_aio.PSConfig.chunk_bytes)),
             )
             allreduce = AllReduceConfig(variant.get("allreduce", cfg["allreduce"]))

@@ -8,11 +8,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from poseidon_aio.cluster import InformationBook, Manifest, ManifestMismatch, ParamSpec
-from poseidon_aio.cluster.book import GROUP_RUNS
+from poseidon_aio.cluster.book import GROUP_RUNS, PIPELINE_RUN_S, pipeline_bytes_for
 from poseidon_aio.cluster.manifest import first_difference
 from poseidon_aio.plan.models import PRESETS, resnet50, vgg19
 from poseidon_aio.errors import ConfigError
-from poseidon_aio.ps import checkpoint
+from poseidon_aio.ps import PSConfig, checkpoint
 
 shapes = st.lists(st.lists(st.integers(1, 60), min_size=1, max_size=3).map(tuple), min_size=1, max_size=12)
 
@@ -192,12 +192,15 @@ def test_merge_groups_pack_small_layers_per_shard():
     shards=st.integers(1, 8),
     chunk=st.sampled_from([4096, 65536, 2 << 20]),
     spread=st.sampled_from([0, 1024, 16384]),
+    pipeline=st.sampled_from([None, 2048, 65536]),
 )
-def test_merge_groups_spread_one_run_per_shard_and_stay_balanced(shape_list, cuts, shards, chunk, spread):
+def test_merge_groups_spread_one_run_per_shard_and_stay_balanced(shape_list, cuts, shards, chunk, spread, pipeline):
     m = manifest(shape_list)
     bounds = sorted({0, len(m), *(c for c in cuts if c < len(m))})
     groups = [[m[i].name for i in range(a, b)] for a, b in zip(bounds, bounds[1:]) if b - a > 1]
-    book = InformationBook(m, workers=shards, shards=shards, chunk_bytes=chunk, groups=groups, spread_bytes=spread)
+    book = InformationBook(
+        m, workers=shards, shards=shards, chunk_bytes=chunk, groups=groups, spread_bytes=spread, pipeline_bytes=pipeline
+    )
     for index, spec in enumerate(m):  # every element in exactly one pair, in offset order
         pairs = [p for p in book.pairs if p.param == index]
         assert [p.offset for p in pairs] == list(np.cumsum([0] + [p.numel for p in pairs])[:-1])
@@ -208,8 +211,9 @@ def test_merge_groups_spread_one_run_per_shard_and_stay_balanced(shape_list, cut
         params = {m.index(n) for n in names}
         total = sum(m[i].nbytes for i in params)
         fit = total // spread if spread else 1
-        if fit > shards:  # past P2, a whole number of runs a shard, at least GROUP_RUNS (workers = shards here)
-            fit = min(shards * -(-GROUP_RUNS // shards) if shards > 1 else 1, fit // shards * shards)
+        if fit > shards:  # a whole number of runs a shard, up to GROUP_RUNS of pipeline bytes (workers = shards)
+            deep = total // max(spread, pipeline or 0) // shards * shards
+            fit = min(shards * -(-GROUP_RUNS // shards) if shards > 1 else 1, max(shards, deep))
         runs = max(-(-total // chunk), fit)
         per_shard: dict = {}
         for p in book.pairs:
@@ -245,6 +249,35 @@ def test_a_merged_group_of_two_workers_goes_in_group_runs_messages_two_a_shard()
     assert len(one.messages) == 1
     # Runs are never cut under spread_bytes: a group of 2 runs' worth goes in 2.
     assert len(InformationBook(m, workers=2, shards=2, groups=names, spread_bytes=m.total_bytes // 2).messages) == 2
+
+
+def test_runs_past_one_a_shard_only_where_each_takes_the_pipeline_time_on_the_link():
+    # 1 Gbit: a run past one a shard must hold 2 ms of the link (250 kB), the message's CPU on
+    # every rank being the step there; 100 Mbit: any run of the spread bytes is worth it.
+    assert pipeline_bytes_for(8e-9, 64 << 10) == round(PIPELINE_RUN_S / 8e-9)
+    assert pipeline_bytes_for(80e-9, 64 << 10) == 64 << 10 and pipeline_bytes_for(0.0, 4096) == 4096
+    specs = [ParamSpec(f"conv{i}", (64, 64, 3, 3)) for i in range(5)]  # 5 x 144 KiB: 4 runs of 180 KiB
+    m, names = Manifest(specs), [[s.name for s in specs]]
+    at = {
+        beta: InformationBook(m, workers=2, shards=2, groups=names, pipeline_bytes=pipeline_bytes_for(beta, 64 << 10))
+        for beta in (8e-9, 80e-9)
+    }
+    assert [msg.shard for msg in at[8e-9].messages] == [0, 1]
+    assert [msg.shard for msg in at[80e-9].messages] == [0, 0, 1, 1]
+    assert at[8e-9].shard_bytes() == at[80e-9].shard_bytes() == [m.total_bytes // 2] * 2
+    big = Manifest([ParamSpec(f"conv{i}", (128, 64, 3, 3)) for i in range(5)])  # 4 runs of 360 KiB
+    book = InformationBook(
+        big,
+        workers=2,
+        shards=2,
+        groups=[[f"conv{i}" for i in range(5)]],
+        pipeline_bytes=pipeline_bytes_for(8e-9, 64 << 10),
+    )
+    assert len(book.messages) == GROUP_RUNS
+    with pytest.raises(ConfigError, match="pipeline_bytes"):
+        InformationBook(m, workers=2, shards=2, groups=names, pipeline_bytes=0)
+    with pytest.raises(ConfigError, match="group_pipeline_bytes"):
+        PSConfig(group_pipeline_bytes=0)
 
 
 def test_a_merged_resnet20_over_2_shards_is_half_on_each():

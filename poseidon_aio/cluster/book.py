@@ -21,8 +21,10 @@ of several parameters (the MG-WFBP merge plan) is cut into one run of keys per s
 equal bytes, before anything else is placed: it travels as one message per shard (a reduce-
 scatter's shape), so merging saves the frames of its small layers and its bytes still use every
 link both ways at once (a group of under two runs of ``spread_bytes`` stays on one shard). Over
-fewer than ``GROUP_RUNS`` shards a group still goes in that many runs, so that each shard's sums
-follow the pushes instead of waiting for the whole group.
+fewer than ``GROUP_RUNS`` shards a large group still goes in that many runs, so that each shard's
+sums follow the pushes instead of waiting for the whole group; a run past one a shard is a message
+more on every rank, so only where each run would hold ``pipeline_bytes`` (:func:`pipeline_bytes_for`
+a link: what it carries in ``PIPELINE_RUN_S``).
 
 Hosts (the topology): where each runs L workers, a message's gradient is summed inside every host
 and pushed once per host, by the host's local rank ``message id mod L`` (its speaker: the
@@ -57,6 +59,11 @@ SPREAD_MIN_BYTES = 64 << 10
 # to start the next step too (bench/RESULTS.md, "Merge groups in runs the shards can sum as they
 # come; ..."). In runs of a quarter, the sums follow the pushes.
 GROUP_RUNS = 4
+# Runs past one a shard buy only that overlap, and each costs every rank a message's CPU a step (a
+# frame each way, a sum, their futures; dearer where the loop wakes cold): a group goes in them only
+# where each run takes this long on the link: 250 kB at 1 Gbit, where that CPU is the step, and any
+# run of 64 KiB at 100 Mbit, where the overlap is worth it (bench/RESULTS.md, "A merge group's runs").
+PIPELINE_RUN_S = 2e-3
 
 
 def spread_bytes_for(alpha: float, beta: float, shards: int) -> int:
@@ -78,6 +85,18 @@ def spread_bytes_for(alpha: float, beta: float, shards: int) -> int:
     if alpha <= 0 or beta <= 0:
         return SPREAD_MIN_BYTES
     return max(SPREAD_MIN_BYTES, int(round(shards * alpha / beta)))
+
+
+def pipeline_bytes_for(beta: float, spread_bytes: int) -> int:
+    """The least run of a merge group worth a run past one a shard on a link of ``beta`` seconds
+    a byte: its bytes in ``PIPELINE_RUN_S``, at least ``spread_bytes``.
+
+    >>> pipeline_bytes_for(8e-9, 65536), pipeline_bytes_for(80e-9, 65536)
+    (250000, 65536)
+    """
+    if beta <= 0:
+        return spread_bytes
+    return max(spread_bytes, int(round(PIPELINE_RUN_S / beta)))
 
 
 @dataclass(frozen=True)
@@ -128,6 +147,8 @@ class InformationBook:
             workers' sufficient factors (a FACTORS frame keyed by the layer's first message).
         spread_bytes: the least bytes of a merge group a shard gets when the group is spread
             over the shards (:func:`spread_bytes_for` a link); 0 keeps every group on one shard.
+        pipeline_bytes: the least bytes of a run past one a shard (:func:`pipeline_bytes_for` a
+            link); by default ``spread_bytes``.
         topology: the workers' hosts (:class:`~poseidon_aio.cluster.topology.Topology`, as the
             rendezvous checked them); by default every worker a host of its own.
 
@@ -149,6 +170,7 @@ class InformationBook:
         placement: str = "balanced",
         factored: Optional[Sequence[Sequence[str]]] = None,
         spread_bytes: int = SPREAD_MIN_BYTES,
+        pipeline_bytes: Optional[int] = None,
         topology: Optional[Topology] = None,
     ) -> None:
         if workers < 1 or shards < 1:
@@ -163,6 +185,9 @@ class InformationBook:
         if spread_bytes < 0:
             raise ConfigError(f"spread_bytes must be >= 0 (0: every merge group on one shard), got {spread_bytes}")
         self.spread_bytes = spread_bytes
+        if pipeline_bytes is not None and pipeline_bytes < 1:
+            raise ConfigError(f"pipeline_bytes must be >= 1 byte, got {pipeline_bytes}")
+        self.pipeline_bytes = max(spread_bytes, pipeline_bytes or 0) or 1
         self.manifest = manifest
         self.workers = workers
         self.shards = shards
@@ -257,8 +282,9 @@ class InformationBook:
         """Each merge group's keys cut into ``s`` runs of nearly equal bytes, one per shard, the
         least-loaded shards first: ``([(param, offset, numel, nbytes, shard)], load per shard)``.
 
-        ``s`` is P2 (where there are several workers, at least ``GROUP_RUNS``, a whole number a
-        shard), or fewer where a run would be under ``spread_bytes``, and never fewer than the
+        ``s`` is P2 (where there are several workers and each run would hold ``pipeline_bytes``,
+        up to ``GROUP_RUNS``, a whole number a shard), or fewer where a run would be
+        under ``spread_bytes``, and never fewer than the
         group's chunks; runs past P2 take the shards in turn, each a message of its own. A
         merged message on one shard is pushed whole over one link and then replied whole over
         the other direction, one after the other; spread, every worker's pushes and every
@@ -279,7 +305,8 @@ class InformationBook:
             fit = total // self.spread_bytes if self.spread_bytes else 1
             if fit > self.shards:
                 wide = self.shards * -(-GROUP_RUNS // self.shards) if self.workers > 1 else self.shards
-                fit = min(wide, fit // self.shards * self.shards)
+                deep = total // self.pipeline_bytes // self.shards * self.shards
+                fit = min(wide, max(self.shards, deep))
             runs = max(-(-total // self.chunk_bytes), fit)
             used: set = set()
 

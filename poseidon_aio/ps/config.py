@@ -93,6 +93,10 @@ class PSConfig:
             0 keeps every group on one shard. ``None``: the trainer takes the bytes of P2
             message start-ups on its measured link (``cluster.book.spread_bytes_for``), at
             least 64 KiB.
+        group_pipeline_bytes: over fewer shards than ``cluster.book.GROUP_RUNS``, a merge group
+            goes in more runs than shards (so that a shard's sums follow the pushes) only where
+            each would hold this many bytes. ``None``: what the trainer's measured link carries in
+            ``cluster.book.PIPELINE_RUN_S`` (``pipeline_bytes_for``), at least the spread bytes.
     """
 
     shards: Optional[int] = None
@@ -107,6 +111,7 @@ class PSConfig:
     standalone_shards: bool = False
     outbox_bytes: Optional[int] = None
     group_spread_bytes: Optional[int] = None
+    group_pipeline_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.shards is not None and self.shards < 1:
@@ -124,6 +129,8 @@ class PSConfig:
                 "PSConfig.group_spread_bytes must be >= 0 (0: every merge group on one shard), "
                 f"got {self.group_spread_bytes}"
             )
+        if self.group_pipeline_bytes is not None and self.group_pipeline_bytes < 1:
+            raise ConfigError(f"PSConfig.group_pipeline_bytes must be >= 1 byte, got {self.group_pipeline_bytes}")
         if self.outbox_bytes is not None and self.outbox_bytes < 1:
             raise ConfigError(f"PSConfig.outbox_bytes must be >= 1 byte, got {self.outbox_bytes}")
 

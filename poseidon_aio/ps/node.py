@@ -187,6 +187,7 @@ class PSNode:
             placement=config.placement,
             factored=self._factored,
             spread_bytes=config.spread_bytes(),
+            pipeline_bytes=config.group_pipeline_bytes,
             topology=topology,
         )
         await rdzv.check_digest("information book", self.book.digest())

@@ -95,6 +95,7 @@ async def _join(rdzv: Rendezvous, index: int, workers: int, net, env: ClusterEnv
         placement=config.placement,
         factored=setup.get("factored") or None,
         spread_bytes=config.spread_bytes(),
+        pipeline_bytes=config.group_pipeline_bytes,
         topology=Topology(setup["hosts"]),
     )
     theirs = await rdzv.read("digest/information book/0", who="rank 0")

@@ -14,7 +14,7 @@ import torch
 
 from .. import kernels
 from ..cluster import Manifest
-from ..cluster.book import spread_bytes_for
+from ..cluster.book import pipeline_bytes_for, spread_bytes_for
 from ..cluster.job import Job
 from ..cluster.topology import Topology
 from ..errors import CheckpointError
@@ -287,11 +287,13 @@ class Planning:
         layers = [[n for n, _ in layer.params] for layer in on_ps if len(layer.params) > 1]
         manifest = Manifest.of_arrays(self.named[i] for i in sorted(ps_index, key=ps_index.get))
         config = self.settings.ps
-        if names and config.group_spread_bytes is None:  # one value on every rank: rank 0's link
+        if names and None in (config.group_spread_bytes, config.group_pipeline_bytes):  # rank 0's link: one value
             link = await self.agreed_link()
-            config = replace(
-                config, group_spread_bytes=spread_bytes_for(link.alpha, link.beta, config.shards_for(self.world))
-            )
+            spread = config.group_spread_bytes
+            if spread is None:
+                spread = spread_bytes_for(link.alpha, link.beta, config.shards_for(self.world))
+            pipeline = config.group_pipeline_bytes or pipeline_bytes_for(link.beta, spread)
+            config = replace(config, group_spread_bytes=spread, group_pipeline_bytes=pipeline)
         self.node = await PSNode.start(
             manifest,
             config,

@@ -313,10 +313,13 @@ def ddp_bucket_layers(layers: list) -> list:
     return out
 
 
-def _ps_messages(layers: list, groups: list, workers: int, chunk_bytes: int, spread_bytes: int) -> list:
+def _ps_messages(
+    layers: list, groups: list, workers: int, chunk_bytes: int, spread_bytes: int, pipeline_bytes: Optional[int]
+) -> list:
     """Per PS group, its messages ``[(shard, bytes)]`` from the information book the trainer
     builds: the PS layers' parameters in model order, multi-layer merge groups passed as groups
-    and spread over the shards in runs of ``spread_bytes`` or more."""
+    and spread over the shards in runs of ``spread_bytes`` or more (past one a shard, of
+    ``pipeline_bytes``)."""
     on_ps = [layer for layer in layers if layer.scheme is Scheme.PS]
     if not on_ps:
         return [[] for _ in groups]
@@ -333,6 +336,7 @@ def _ps_messages(layers: list, groups: list, workers: int, chunk_bytes: int, spr
         chunk_bytes=chunk_bytes,
         groups=names or None,
         spread_bytes=spread_bytes,
+        pipeline_bytes=pipeline_bytes,
     )
     group_of = {i: g for g, members in enumerate(groups) for i in members}
     out = [[] for _ in groups]
@@ -352,13 +356,14 @@ def run_plan(
     spread_bytes: int,
     allreduce: str = "auto",
     hosts: Optional[Hosts] = None,
+    pipeline_bytes: Optional[int] = None,
 ) -> Simulation:
     """One iteration of ``layers`` (scheme and ready times set) with each of ``groups``
     (``{scheme: [(layer index, ...), ...]}``) travelling as one message; ``mode`` as the trainer's.
     ``workers``: the nodes on the network (the hosts, with ``hosts`` of several workers each)."""
     sim = Simulation(layers, workers, rate, net, chunk_bytes, allreduce, naive=mode == Mode.NAIVE.value, hosts=hosts)
     ps_groups = groups.get(Scheme.PS, [])
-    messages = _ps_messages(layers, ps_groups, workers, chunk_bytes, spread_bytes)
+    messages = _ps_messages(layers, ps_groups, workers, chunk_bytes, spread_bytes, pipeline_bytes)
     end_of_backward = sum(layer.forward + layer.backward for layer in layers)
     starts = []  # (ready, order, seconds inside the host first, fn, args)
 

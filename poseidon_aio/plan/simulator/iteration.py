@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ...cluster.book import DEFAULT_CHUNK_BYTES, spread_bytes_for
+from ...cluster.book import DEFAULT_CHUNK_BYTES, pipeline_bytes_for, spread_bytes_for
 from ...errors import ConfigError
 from ...wire import Kind
 from ..cost import ALLREDUCE_ALGORITHMS, HYBCOMM_SCHEMES, Hosts, Link, Scheme
@@ -189,6 +189,7 @@ class Simulator:
         measured = link_of(self.calibration)
         # The trainer spreads its merge groups over the shards by its measured link.
         self.spread_bytes = spread_bytes_for(measured.alpha, measured.beta, self.nodes)
+        self.pipeline_bytes = pipeline_bytes_for(measured.beta, self.spread_bytes)
         if self.workers > 1 and mode != DDP:
             chosen = choose_schemes(
                 [PlanLayer(layer.shape, layer.factorable) for layer in self.layers],
@@ -290,6 +291,7 @@ class Simulator:
             self.spread_bytes,
             self.allreduce,
             self.hosts,
+            pipeline_bytes=self.pipeline_bytes,
         )
 
     def _result(self, sim, groups: dict, plans: dict, done: np.ndarray) -> Iteration:
