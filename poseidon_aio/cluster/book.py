@@ -283,13 +283,12 @@ class InformationBook:
         least-loaded shards first: ``([(param, offset, numel, nbytes, shard)], load per shard)``.
 
         ``s`` is P2 (where there are several workers and each run would hold ``pipeline_bytes``,
-        up to ``GROUP_RUNS``, a whole number a shard), or fewer where a run would be
-        under ``spread_bytes``, and never fewer than the
-        group's chunks; runs past P2 take the shards in turn, each a message of its own. A
-        merged message on one shard is pushed whole over one link and then replied whole over
-        the other direction, one after the other; spread, every worker's pushes and every
-        shard's replies use all links both ways at once, and its bytes cross the busiest link
-        (P1 + P2 - 2) / P2 times each way, as Table 1 and the merge planner count them
+        up to ``GROUP_RUNS``, a whole number a shard), or fewer where a run would be under
+        ``spread_bytes``, and never fewer than the group's chunks; runs past P2 take the shards in
+        turn, each a message of its own. A merged message on one shard is pushed whole over one
+        link and then replied whole over the other direction, one after the other; spread, every
+        worker's pushes and every shard's replies use all links both ways at once, and its bytes
+        cross the busiest link (P1 + P2 - 2) / P2 times each way, as Table 1 and the merge planner count them
         (bench/RESULTS.md, "Merge groups spread over the shards; issue 11's rows on another VM").
         """
         load = [0] * self.shards
