@@ -19,13 +19,18 @@ EXAMPLES = ROOT / "examples"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["wfbp", "poseidon"])
-def test_a_frozen_batchnorm_stays_frozen_and_each_step_runs_one_forward(mode):
+def test_a_frozen_batchnorm_stays_frozen_and_each_step_runs_one_forward_and_the_optimizer_on_the_caller_s_thread(
+    mode,
+):
     from .support.loopworkers import frozen_bn_worker
 
     steps = 4
     res = run_workers(2, frozen_bn_worker, 5, steps, mode, timeout=120)
     for rank, out in res.items():
         assert out["forwards"] == steps, f"rank {rank} ran {out['forwards']} forwards in {steps} steps"
+        # As in a DDP user's loop: the trainer's threads move bytes, the caller's computes.
+        assert out["forward_threads"] == [out["caller"]], f"rank {rank}: a forward ran off the caller's thread"
+        assert out["optimizer_threads"] == [out["caller"]], f"rank {rank}: the optimizer ran off the caller's thread"
         assert not out["bn_training"], f"rank {rank}: the trainer put the frozen BatchNorm back in training mode"
         assert out["model_training"], f"rank {rank}: the trainer changed the model's mode"
         assert out["bn_unchanged"], f"rank {rank}: the frozen BatchNorm's statistics changed"

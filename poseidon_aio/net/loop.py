@@ -202,8 +202,8 @@ class LoopThread:
 
     The trainer moves bytes on it while the caller's thread runs the model: the syncs that a
     user's own ``loss.backward()`` starts from its hooks then overlap the rest of that backward
-    (WFBP), as they do beside the trainer's compute thread inside ``step()``. Errors the loop's
-    exception handler is given go to the caller's loop's handler.
+    (WFBP), as they do inside ``step()``. Errors the loop's exception handler is given go to the
+    caller's loop's handler.
 
     >>> # thread = LoopThread(); result = await thread.run(coro()); await thread.close()
     """

@@ -92,17 +92,21 @@ class Applier:
         Raises:
             the first failed sync's error (the others are cancelled).
         """
-        await self._synced(state, self._step_as_synced(state) if self._steps_early(state) else None)
+        await self._synced(state, self._step_as_synced(state) if self.steps_early(state) else None)
         if state.scaler is not None or self.clip_grad_norm is not None:
             await self.stepper.run("optimizer", self.scaled_step, state)
         else:
             await self.stepper.run("optimizer", self.optimizer_step, state)
 
     def scaled_step(self, state: StepState) -> None:
-        """One optimizer step over every parameter, through the caller's GradScaler (unscaled,
-        clipped, skipped where a gradient is inf or NaN) and the clipping of the settings. Every
-        rank holds the same averaged bits, so every rank skips or steps alike."""
+        """:meth:`step_optimizer` with ``state``'s aggregates put in ``param.grad`` first."""
         self.put_grads(state, list(range(len(self.named))))
+        self.step_optimizer(state)
+
+    def step_optimizer(self, state: StepState) -> None:
+        """One optimizer step over every parameter, its gradients in, through the caller's
+        GradScaler (unscaled, clipped, skipped where a gradient is inf or NaN) and the clipping of
+        the settings. Every rank holds the same averaged bits, so every rank skips or steps alike."""
         scaler = state.scaler
         if self.clip_grad_norm is not None:
             if scaler is not None:
@@ -125,7 +129,7 @@ class Applier:
                 task.cancel()
             raise
 
-    def _steps_early(self, state: StepState) -> bool:
+    def steps_early(self, state: StepState) -> bool:
         """Whether ``state``'s optimizer step may start on the parameters whose syncs are in while
         others are still moving: on the CPU, under BSP, with an optimizer that updates each
         parameter on its own and no step hooks (they would run once a part), and where some sync

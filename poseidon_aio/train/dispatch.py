@@ -1,7 +1,7 @@
 """One step's hooks -> buckets -> syncers: each layer's sync starts the moment backward is done
 with it (WFBP), and a merge group's once its last member is in.
 
-Backward hooks run on the compute thread: they only take what the sync will copy and hand the
+Backward hooks run on the backward's thread: they only take what the sync will copy and hand the
 layer to the loop (:class:`~poseidon_aio.train.handoff.Handoff`: one wake-up per burst of hooks,
 not one per layer). The loop wraps the layer's buffers in a :class:`Bucket` and starts its
 scheme's syncer. This module is the only place that reads a scheme's traits
@@ -186,7 +186,7 @@ class Dispatch:
         self.captures.clear()
         self._arming = []
 
-    # -- on the compute thread --------------------------------------------------------------
+    # -- on the backward's thread -----------------------------------------------------------
 
     def _forwarded(self, module, inputs, output) -> None:
         if self.state is not None:

@@ -1,4 +1,4 @@
-"""Calls handed from the compute thread to the event loop, one wake-up of the loop per burst."""
+"""Calls handed from the backward's thread to the event loop, one wake-up of the loop per burst."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A *layer* is a module that directly owns trainable parameters. A parameter share
 modules (tied weights) belongs to the first that owns it; a shared weight is never sent by SFB,
 whose factors only describe one module's use of it.
 
-Hooks run on the compute thread. They never block and never touch a socket: they record what they
+Hooks run on the backward's thread. They never block and never touch a socket: they record what they
 must (for SFB the input rows in the forward, the output-gradient rows in the backward) and hand
 the layer to the event loop (:class:`~poseidon_aio.train.handoff.Handoff`).
 """
@@ -187,7 +187,7 @@ class FactorCapture:
             output.register_hook(lambda g: self.keep_u(call, g))
 
     def keep_u(self, call: int, g: torch.Tensor) -> None:
-        """The backward reached call ``call``: keep its output-gradient rows (compute thread)."""
+        """The backward reached call ``call``: keep its output-gradient rows (backward's thread)."""
         with self._lock:
             self._us[call] = g.detach().reshape(-1, self.layer.module.weight.shape[0])
             done = len(self._us) == self._calls

@@ -18,7 +18,7 @@ class StepStats:
     Attributes:
         clock: the step's iteration clock.
         loss: this rank's loss on its batch.
-        compute_s: forward + backward wall time on the compute thread.
+        compute_s: forward + backward wall time.
         stall_s: time after the backward spent waiting for this step's syncs (communication
             that did not overlap compute).
         overlap_s: sync time that ran while the backward was still computing.

@@ -1,10 +1,11 @@
 """The Poseidon trainer: ``await trainer.step(batch)`` with wait-free backprop and hybrid communication.
 
-A facade: forward and backward run on one compute thread while the event loop moves bytes, and
-each job of a step belongs to a helper of its own: :mod:`.dispatch` (hooks -> buckets -> syncers),
-:mod:`.apply` (results -> ``param.grad`` -> the optimizer), :mod:`.planning` (schemes, link,
-syncers, parameter server), :mod:`.merging` (MG-WFBP's warm-up, plans and trials),
-:mod:`.replicas` (rank 0's tensors everywhere) and :mod:`.checkpoint`.
+A facade: forward and backward run on the caller's thread (a CUDA model's on a compute thread of
+ours) while the trainer's event loop, on a thread of its own, moves bytes; each job of a step
+belongs to a helper of its own: :mod:`.dispatch` (hooks -> buckets -> syncers), :mod:`.apply`
+(results -> ``param.grad`` -> the optimizer), :mod:`.planning` (schemes, link, syncers, parameter
+server), :mod:`.merging` (MG-WFBP's warm-up, plans and trials), :mod:`.replicas` (rank 0's
+tensors everywhere) and :mod:`.checkpoint`.
 """
 
 from __future__ import annotations
@@ -369,9 +370,15 @@ class Trainer:
 
     def step(self, batch, *, scaler: Optional[torch.amp.GradScaler] = None) -> Awaitable[StepStats]:
         """One iteration on this rank's ``batch``: ``(inputs, targets)`` with ``loss_fn``, anything
-        with ``batch_loss``: zero the gradients, forward and backward on the trainer's compute
-        thread (each layer's sync starting as the backward is done with it), the averages into
-        ``.grad``, the optimizer (on early layers as their syncs land, where that is exact).
+        with ``batch_loss``: zero the gradients, forward and backward (each layer's sync starting
+        as the backward is done with it), the averages into ``.grad``, the optimizer.
+
+        On the CPU the forward, the backward and the optimizer run here, on the calling thread, as
+        in a DDP loop: the caller's event loop waits for them, while the trainer's own loop thread
+        moves the bytes. With a CUDA model they run on the trainer's compute thread, where the
+        host waits for the device, and the caller's loop stays free. Under SSP, and where a sync
+        lands ``OptimizerConfig.early_step_bytes`` (early layers are then stepped as their syncs
+        land), the trainer's threads step the optimizer.
 
         The caller's ``torch.autocast`` state (CPU and CUDA) holds for the forward. With a
         ``scaler``, the loss is scaled for the backward and the optimizer steps through
@@ -388,21 +395,56 @@ class Trainer:
         """
         self._refuse_unawaited()
         self._check(batch)
-        # torch.autocast is per thread: the forward runs on the compute thread.
-        autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
-        self._last_step = self._on_loop(self._step, batch, time.perf_counter(), autocast, scaler)
+        started = time.perf_counter()
+        if self._dispatch.gpu:
+            # torch.autocast is per thread: the forward runs on the compute thread.
+            autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+            self._last_step = self._on_loop(self._step_on_compute, batch, started, autocast, scaler)
+        else:
+            self._last_step = self._step_here(batch, started, scaler)
         return self._last_step
 
-    async def _step(self, batch, started: float, autocast: list, scaler) -> StepStats:
+    async def _step_here(self, batch, started: float, scaler) -> StepStats:
+        # A step then wakes the loop for its gradients and bytes only, and the optimizer runs warm
+        # on the thread that runs the next forward (bench/RESULTS.md, "Where a step's CPU goes").
+        state = self._armed  # (armed on the loop before the last step returned)
+        self._departures.check(state.clock)
+        state.started, state.scaler = started, scaler
+        loss = self._gradients(state, batch)  # the hooks start each layer's sync
+        state.compute_end = time.perf_counter()
+        stats, stepped = await self._on_loop(self._after_backward, state, loss, True)
+        if not stepped:
+            self._applier.step_optimizer(state)
+            stats.step_s = time.perf_counter() - started
+        return stats
+
+    async def _step_on_compute(self, batch, started: float, autocast: list, scaler) -> StepStats:
         state = self._armed
         self._departures.check(state.clock)
         state.started, state.scaler = started, scaler
-        loss = await self._forward_backward(state, batch, autocast)  # the hooks start each layer's sync
+        loop = asyncio.get_running_loop()
+        loss = await loop.run_in_executor(self._compute, self._gradients, state, batch, autocast)
+        state.compute_end = time.perf_counter()
+        stats, _ = await self._after_backward(state, loss, False)
+        return stats
+
+    async def _after_backward(self, state: StepState, loss: float, here: bool) -> tuple:
+        """The step's syncs, on the loop: ``(stats, whether the optimizer has stepped)``. It has
+        not where the caller steps it (``here``, BSP, no early steps): the averages are then in
+        ``.grad``."""
         await self._backward_done(state)
+        if here and not (self.settings.ps.staleness or self._applier.steps_early(state)):
+            return await self._land(state, loss), False
         self._inflight.append(state)
         while self._inflight and self._inflight[0].clock <= state.clock - self.settings.ps.staleness:
             await self._apply(self._inflight.pop(0))
-        return await self._step_done(state, loss, traced=state not in self._inflight)
+        return await self._step_done(state, loss, traced=state not in self._inflight), True
+
+    async def _land(self, state: StepState, loss: float) -> StepStats:
+        """The averages into ``.grad`` (the optimizer is the caller's), the step done."""
+        await self._departures.guard(self._applier.land(state), state.clock)
+        self._count(state)
+        return await self._step_done(state, loss, traced=True)
 
     async def synchronize(self) -> StepStats:
         """In your own loop, after ``loss.backward()``: return once every gradient is averaged
@@ -434,9 +476,7 @@ class Trainer:
         state.compute_end = compute_end
         self._departures.check(state.clock)
         await self._backward_done(state)
-        await self._departures.guard(self._applier.land(state), state.clock)
-        self._count(state)
-        return await self._step_done(state, float("nan"), traced=True)
+        return await self._land(state, float("nan"))
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """A context for gradient accumulation in your own loop, as DDP's: the backward passes
@@ -542,13 +582,7 @@ class Trainer:
         inputs, targets = batch
         return self.loss_fn(self.model(inputs), targets)
 
-    async def _forward_backward(self, state: StepState, batch, autocast: list) -> float:
-        loop = asyncio.get_running_loop()
-        loss = await loop.run_in_executor(self._compute, self._gradients, state, batch, autocast)
-        state.compute_end = time.perf_counter()
-        return loss
-
-    def _gradients(self, state: StepState, batch, autocast: list) -> float:
+    def _gradients(self, state: StepState, batch, autocast: tuple = ()) -> float:
         # The modules' modes are the caller's (a frozen BatchNorm stays frozen), as under DDP.
         self.optimizer.zero_grad(set_to_none=True)
         with contextlib.ExitStack() as casts:

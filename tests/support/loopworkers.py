@@ -3,6 +3,8 @@ left to the user, collectives, and the errors of a misused trainer."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -16,9 +18,11 @@ class Counted(nn.Module):
         self.bn = nn.BatchNorm2d(4)
         self.fc = nn.Linear(4 * 6 * 6, 3)
         self.forwards = 0
+        self.threads: set = set()  # the threads its forwards ran on
 
     def forward(self, x):
         self.forwards += 1
+        self.threads.add(threading.get_ident())
         return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
 
 
@@ -29,7 +33,8 @@ def counted_batch(seed: int, rank: int, step: int):
 
 def frozen_bn_worker(rank: int, seed: int, steps: int, mode: str):
     """The BatchNorm is put in eval mode before training: it must stay so, its statistics
-    unchanged, and the model must run one forward a step (none extra for planning)."""
+    unchanged, and the model must run one forward a step (none extra for planning). Records the
+    threads that ran the forwards and the optimizer's steps, and the caller's."""
     import poseidon_aio
 
     torch.set_num_threads(1)
@@ -40,12 +45,17 @@ def frozen_bn_worker(rank: int, seed: int, steps: int, mode: str):
     model.bn.eval()
     before = {k: v.clone() for k, v in model.bn.named_buffers()}
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    stepped_on: set = set()
+    opt.register_step_post_hook(lambda *_: stepped_on.add(threading.get_ident()))
 
     async def main():
         async with poseidon_aio.Trainer(model, opt, nn.functional.cross_entropy, mode=mode) as trainer:
             for t in range(steps):
                 await trainer.step(counted_batch(seed, rank, t))
         return {
+            "caller": threading.get_ident(),
+            "forward_threads": sorted(model.threads),
+            "optimizer_threads": sorted(stepped_on),
             "forwards": model.forwards,
             "bn_training": model.bn.training,
             "model_training": model.training,
