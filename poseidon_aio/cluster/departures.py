@@ -108,7 +108,8 @@ class Departures:
     def error(self, step: int) -> Optional[WorkerLeft]:
         """The error of a sync of step ``step`` (0-based) once a peer has finished before it (a
         peer that took more steps than that still takes part in it), else None."""
-        early = {q: n for q, n in self.finished.items() if n <= step}
+        # A snapshot: step() reads this from the caller's thread while the loop's may add to it.
+        early = {q: n for q, n in list(self.finished.items()) if n <= step}
         if not early:
             return None
         q = min(early)
