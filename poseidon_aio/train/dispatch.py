@@ -1,11 +1,11 @@
 """One step's hooks -> buckets -> syncers: each layer's sync starts the moment backward is done
 with it (WFBP), and a merge group's once its last member is in.
 
-Backward hooks run on the backward's thread: they only take what the sync will copy and hand the
-layer to the loop (:class:`~poseidon_aio.train.handoff.Handoff`: one wake-up per burst of hooks,
-not one per layer). The loop wraps the layer's buffers in a :class:`Bucket` and starts its
-scheme's syncer. This module is the only place that reads a scheme's traits
-(:class:`SchemePlan`).
+Backward hooks run on the backward's thread: they only take what the sync will copy (on the CPU,
+a merge group's gradients into its one buffer, while they are warm) and hand the layer to the loop
+(:class:`~poseidon_aio.train.handoff.Handoff`: one wake-up per burst of hooks, not one per layer).
+The loop wraps the layer's buffers in a :class:`Bucket` and starts its scheme's syncer. This
+module is the only place that reads a scheme's traits (:class:`SchemePlan`).
 """
 
 from __future__ import annotations
@@ -222,14 +222,18 @@ class Dispatch:
             held.append((layer, now))
             complete = len(held) == len(group)
         if complete:
-            self._handoff.call(self._launch_held, state, held)
+            # On the CPU the group's copy into its buffer is made here, where the backward has just
+            # made the gradients, not on the loop woken cold; None: the loop makes it.
+            flat = None if self.gpu else self.flat.made(state, self._group_layers(held))
+            self._handoff.call(self._launch_held, state, held, flat)
 
     # -- on the loop ------------------------------------------------------------------------
 
-    def _launch_held(self, state: StepState, held: list) -> None:
+    def _launch_held(self, state: StepState, held: list, flat: Optional[Bucket] = None) -> None:
         """A merge group whose layers are all in: one bucket, one sync, one span (a future and a
         callback per layer would cost the loop more). On CPU the bucket is one buffer
-        (:class:`FlatGroups`); a GPU's buckets are staged off the loop, one layer at a time."""
+        (:class:`FlatGroups`; ``flat``: filled by the hook already); a GPU's buckets are staged
+        off the loop, one layer at a time."""
         scheme = self.plan.schemes[held[0][0].index]
         syncer = self.syncers.get(scheme)
         if self.gpu or not isinstance(syncer, Merging) or any(layer.index in state.launched for layer, _ in held):
@@ -239,16 +243,19 @@ class Dispatch:
         for layer, ready_at in held:
             state.launched.add(layer.index)
             state.ready_at[layer.index] = ready_at
-        layers = [self.layers[i] for i in sorted(layer.index for layer, _ in held)]
+        layers = self._group_layers(held)
         span = Span(f"{layers[-1].name}..{layers[0].name}", scheme, max(r for _, r in held), time.perf_counter())
 
         def start() -> asyncio.Future:
-            flat = self.flat.bucket(state, layers)
-            if flat is not None:
-                return syncer.start_merged(flat, state.clock)
+            bucket = flat if flat is not None else self.flat.bucket(state, layers)
+            if bucket is not None:
+                return syncer.start_merged(bucket, state.clock)
             return syncer.start_group([self._bucket(state, layer, scheme) for layer in layers], state.clock)
 
         self._start(state, scheme, span, start, [i for layer in layers for i in layer.param_ids])
+
+    def _group_layers(self, held: list) -> list:
+        return [self.layers[i] for i in sorted(layer.index for layer, _ in held)]
 
     def _launch(self, state: StepState, layer: Layer, ready_at: Optional[float] = None) -> None:
         if layer.index in state.launched:

@@ -5,7 +5,8 @@ parameter, every step pays a pass of Python per parameter at each layer it cross
 slices, byte views): on a ResNet-20 that was most of the loop's CPU a step. Here the group's
 gradients are copied into one buffer by one torch call, and the syncer is given that buffer and
 the one its results land in (the group's parameters are back to back in the step's aggregates).
-Everything per parameter is made once, per group and slot of the aggregates' ring.
+Everything per parameter is made once, per group and slot of the aggregates' ring, on the loop;
+once made, the backward's hook fills the buffer itself (:meth:`FlatGroups.made`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,15 @@ class FlatGroups:
             group = self._groups[key] = self._make(state, layers)
         if group is None:
             return None
+        return self._filled(state, group)
+
+    def made(self, state: StepState, layers: Sequence[Layer]) -> Optional[Bucket]:
+        """:meth:`bucket`, from any thread, where the group's buffers for ``state``'s slot are
+        made already; ``None`` where they are not (nothing is made here) or cannot be."""
+        group = self._groups.get((tuple(layer.index for layer in layers), self.aggregates.slot(state.clock)))
+        return self._filled(state, group) if group else None
+
+    def _filled(self, state: StepState, group: _Group) -> Optional[Bucket]:
         grads = [p.grad for p in group.params]
         if any(g is None or g.layout is not torch.strided for g in grads):
             return self._with_gaps(state, group, grads)
