@@ -8,7 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from poseidon_aio.cluster import InformationBook, Manifest, ManifestMismatch, ParamSpec
-from poseidon_aio.cluster.book import GROUP_RUNS, PIPELINE_RUN_S, pipeline_bytes_for
+from poseidon_aio.cluster.book import GROUP_RUNS, PIPELINE_MIN_BYTES, PIPELINE_RUN_S, pipeline_bytes_for
 from poseidon_aio.cluster.manifest import first_difference
 from poseidon_aio.plan.models import PRESETS, resnet50, vgg19
 from poseidon_aio.errors import ConfigError
@@ -253,9 +253,10 @@ def test_a_merged_group_of_two_workers_goes_in_group_runs_messages_two_a_shard()
 
 def test_runs_past_one_a_shard_only_where_each_takes_the_pipeline_time_on_the_link():
     # 1 Gbit: a run past one a shard must hold 2 ms of the link (250 kB), the message's CPU on
-    # every rank being the step there; 100 Mbit: any run of the spread bytes is worth it.
+    # every rank being the step there; 100 Mbit: any run of PIPELINE_MIN_BYTES is worth it.
     assert pipeline_bytes_for(8e-9, 64 << 10) == round(PIPELINE_RUN_S / 8e-9)
-    assert pipeline_bytes_for(80e-9, 64 << 10) == 64 << 10 and pipeline_bytes_for(0.0, 4096) == 4096
+    assert pipeline_bytes_for(80e-9, 64 << 10) == PIPELINE_MIN_BYTES and pipeline_bytes_for(0.0, 4096) == 4096
+    assert pipeline_bytes_for(80e-9, 1 << 20) == 1 << 20  # never under the spread bytes
     specs = [ParamSpec(f"conv{i}", (64, 64, 3, 3)) for i in range(5)]  # 5 x 144 KiB: 4 runs of 180 KiB
     m, names = Manifest(specs), [[s.name for s in specs]]
     at = {

@@ -61,9 +61,11 @@ SPREAD_MIN_BYTES = 64 << 10
 GROUP_RUNS = 4
 # Runs past one a shard buy only that overlap, and each costs every rank a message's CPU a step (a
 # frame each way, a sum, their futures; dearer where the loop wakes cold): a group goes in them only
-# where each run takes this long on the link: 250 kB at 1 Gbit, where that CPU is the step, and any
-# run of 64 KiB at 100 Mbit, where the overlap is worth it (bench/RESULTS.md, "A merge group's runs").
+# where each run takes this long on the link (250 kB at 1 Gbit, where that CPU is the step) and
+# holds PIPELINE_MIN_BYTES: at 100 Mbit a run of 64 KiB bought no time and cost the loop a sixth
+# of its CPU, where runs of 250 kB and more are worth it (bench/RESULTS.md, "A merge group's runs").
 PIPELINE_RUN_S = 2e-3
+PIPELINE_MIN_BYTES = 128 << 10
 
 
 def spread_bytes_for(alpha: float, beta: float, shards: int) -> int:
@@ -89,14 +91,14 @@ def spread_bytes_for(alpha: float, beta: float, shards: int) -> int:
 
 def pipeline_bytes_for(beta: float, spread_bytes: int) -> int:
     """The least run of a merge group worth a run past one a shard on a link of ``beta`` seconds
-    a byte: its bytes in ``PIPELINE_RUN_S``, at least ``spread_bytes``.
+    a byte: its bytes in ``PIPELINE_RUN_S``, at least ``PIPELINE_MIN_BYTES`` and ``spread_bytes``.
 
     >>> pipeline_bytes_for(8e-9, 65536), pipeline_bytes_for(80e-9, 65536)
-    (250000, 65536)
+    (250000, 131072)
     """
     if beta <= 0:
         return spread_bytes
-    return max(spread_bytes, int(round(PIPELINE_RUN_S / beta)))
+    return max(spread_bytes, PIPELINE_MIN_BYTES, int(round(PIPELINE_RUN_S / beta)))
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,8 @@ class PSConfig:
         group_pipeline_bytes: over fewer shards than ``cluster.book.GROUP_RUNS``, a merge group
             goes in more runs than shards (so that a shard's sums follow the pushes) only where
             each would hold this many bytes. ``None``: what the trainer's measured link carries in
-            ``cluster.book.PIPELINE_RUN_S`` (``pipeline_bytes_for``), at least the spread bytes.
+            ``cluster.book.PIPELINE_RUN_S`` (``pipeline_bytes_for``), at least 128 KiB and the
+            spread bytes.
     """
 
     shards: Optional[int] = None
