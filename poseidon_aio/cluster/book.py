@@ -62,8 +62,9 @@ GROUP_RUNS = 4
 # Runs past one a shard buy only that overlap, and each costs every rank a message's CPU a step (a
 # frame each way, a sum, their futures; dearer where the loop wakes cold): a group goes in them only
 # where each run takes this long on the link (250 kB at 1 Gbit, where that CPU is the step) and
-# holds PIPELINE_MIN_BYTES: at 100 Mbit a run of 64 KiB bought no time and cost the loop a sixth
-# of its CPU, where runs of 250 kB and more are worth it (bench/RESULTS.md, "A merge group's runs").
+# holds PIPELINE_MIN_BYTES: at 100 Mbit the CNN's runs of 66 kB bought no time and cost its loop
+# a fifth of its CPU, where runs of 250 kB and more are worth it (bench/RESULTS.md, "A merge
+# group's runs").
 PIPELINE_RUN_S = 2e-3
 PIPELINE_MIN_BYTES = 128 << 10
 
