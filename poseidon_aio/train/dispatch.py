@@ -224,16 +224,17 @@ class Dispatch:
         if complete:
             # On the CPU the group's copy into its buffer is made here, where the backward has just
             # made the gradients, not on the loop woken cold; None: the loop makes it.
-            flat = None if self.gpu else self.flat.made(state, self._group_layers(held))
-            self._handoff.call(self._launch_held, state, held, flat)
+            layers = [self.layers[i] for i in sorted(layer.index for layer, _ in held)]
+            flat = None if self.gpu else self.flat.made(state, layers)
+            self._handoff.call(self._launch_held, state, held, layers, flat)
 
     # -- on the loop ------------------------------------------------------------------------
 
-    def _launch_held(self, state: StepState, held: list, flat: Optional[Bucket] = None) -> None:
-        """A merge group whose layers are all in: one bucket, one sync, one span (a future and a
-        callback per layer would cost the loop more). On CPU the bucket is one buffer
-        (:class:`FlatGroups`; ``flat``: filled by the hook already); a GPU's buckets are staged
-        off the loop, one layer at a time."""
+    def _launch_held(self, state: StepState, held: list, layers: list, flat: Optional[Bucket]) -> None:
+        """A merge group whose layers are all in (``layers``: model order): one bucket, one sync,
+        one span (a future and a callback per layer would cost the loop more). On CPU the bucket
+        is one buffer (:class:`FlatGroups`; ``flat``: filled by the hook already); a GPU's buckets
+        are staged off the loop, one layer at a time."""
         scheme = self.plan.schemes[held[0][0].index]
         syncer = self.syncers.get(scheme)
         if self.gpu or not isinstance(syncer, Merging) or any(layer.index in state.launched for layer, _ in held):
@@ -243,7 +244,6 @@ class Dispatch:
         for layer, ready_at in held:
             state.launched.add(layer.index)
             state.ready_at[layer.index] = ready_at
-        layers = self._group_layers(held)
         span = Span(f"{layers[-1].name}..{layers[0].name}", scheme, max(r for _, r in held), time.perf_counter())
 
         def start() -> asyncio.Future:
@@ -253,9 +253,6 @@ class Dispatch:
             return syncer.start_group([self._bucket(state, layer, scheme) for layer in layers], state.clock)
 
         self._start(state, scheme, span, start, [i for layer in layers for i in layer.param_ids])
-
-    def _group_layers(self, held: list) -> list:
-        return [self.layers[i] for i in sorted(layer.index for layer, _ in held)]
 
     def _launch(self, state: StepState, layer: Layer, ready_at: Optional[float] = None) -> None:
         if layer.index in state.launched:
