@@ -459,7 +459,7 @@ class Connection(ReceiveCore, asyncio.BufferedProtocol, Endpoint):
     def _build_frame(self, kind: Kind, payload, key: int, clock: int, dtype: DType, flags: int) -> tuple:
         """``([header, *payload views], total bytes)``: what :meth:`_write` takes."""
         views = payload_views(payload)
-        length = sum(v.nbytes for v in views)
+        length = views[0].nbytes if len(views) == 1 else sum(v.nbytes for v in views)  # (most are one)
         crc = payload_crc(views) if self._checksum else None
         header = encode_header(
             kind, rank=self.rank, key=key, clock=clock, length=length, dtype=dtype, flags=flags, payload_crc=crc
@@ -471,7 +471,8 @@ class Connection(ReceiveCore, asyncio.BufferedProtocol, Endpoint):
         if nbytes < _JOIN_BELOW:
             self._gather(b"".join(parts), nbytes)
         else:
-            self._flush()  # what was written before goes before
+            if self._gathered:
+                self._flush()  # what was written before goes before
             transport = self._transport
             if self._writelines_copies:
                 for part in parts:

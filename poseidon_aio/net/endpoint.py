@@ -15,6 +15,7 @@ arrives: a frame over its limit, or one the hooks refuse by raising, ends the li
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
 from typing import Callable, Iterable, Optional
 
@@ -118,7 +119,7 @@ class Endpoint:
         gradient whose aggregate it is): a frame that arrives first waits in the inbox and is
         copied into ``into`` when claimed.
         """
-        ident = (Kind(kind), int(key), int(clock))
+        ident = (kind if type(kind) is Kind else Kind(kind), int(key), int(clock))  # (the enum's call is dear)
         fut = self._loop.create_future()
         if ident in self._expected:
             raise LocalProtocolError(
@@ -135,7 +136,7 @@ class Endpoint:
             silence(fut)
             return fut
         self._expected[ident] = (fut, into)
-        fut.add_done_callback(lambda f: self._forget(ident, f))
+        fut.add_done_callback(functools.partial(self._forget, ident))
         return fut
 
     def set_handler(
@@ -255,7 +256,8 @@ class Endpoint:
         return view
 
     def _dispatch(self, frame: Frame) -> None:
-        ident = (frame.kind, frame.key, frame.clock)
+        header = frame.header
+        ident = (header.kind, header.key, header.clock)
         entry = self._expected.pop(ident, None)
         if entry is not None:
             fut, into = entry
@@ -267,7 +269,7 @@ class Endpoint:
                 return
             fut.set_result(frame)
             return
-        if self._handles(frame):
+        if self._handles_kind(header.kind):
             self._to_handler(frame)
             return
         self._to_inbox(frame)

@@ -80,7 +80,7 @@ class LocalLink(Endpoint):
         if self._exc is not None:
             raise self._lost()
         views = payload_views(payload)
-        length = sum(v.nbytes for v in views)
+        length = views[0].nbytes if len(views) == 1 else sum(v.nbytes for v in views)  # (most are one)
         encode_header(
             kind, rank=self.rank, key=key, clock=clock, length=length, dtype=dtype, flags=flags
         )  # range checks

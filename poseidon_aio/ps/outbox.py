@@ -87,7 +87,8 @@ class Outbox:
             while self._frames:
                 frame = self._frames[0]
                 kind, payload, key, clock, dtype = frame
-                if not conn.try_send(kind, payload, key=key, clock=clock, dtype=dtype, priority=_priority(kind)):
+                priority = 0 if kind is Kind.CONTROL else 1  # (_priority's, inline: once a frame)
+                if not conn.try_send(kind, payload, key=key, clock=clock, dtype=dtype, priority=priority):
                     break
                 self._frames.popleft()
                 self.nbytes -= frame_bytes(frame)

@@ -18,6 +18,7 @@ workers as CONTROL frames (JSON) before the data they concern.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import statistics
@@ -148,10 +149,11 @@ class KVShard:
         self._ever.add(rank)
         if len(self._ever) == self.workers:
             self._all_joined.set()
+        # Partials, not lambdas: the link calls these per frame, and a partial adds no Python frame.
         conn.set_handler(
-            lambda f: self._on_frame(conn, f),
-            allocate=lambda h: self._allocate(conn, h),
-            limit=lambda h: self._limit(conn, h),
+            functools.partial(self._on_frame, conn),
+            allocate=functools.partial(self._allocate, conn),
+            limit=functools.partial(self._limit, conn),
         )
         conn.on_close(self._on_lost)
         self._outboxes[rank].attach(conn)
@@ -246,7 +248,7 @@ class KVShard:
         return p
 
     def _on_frame(self, conn: Endpoint, frame: Frame) -> None:
-        kind = frame.kind
+        kind = frame.header.kind
         if kind is Kind.PUSH:
             self._on_push(conn.peer_rank, frame, conn.is_local)
         elif kind is Kind.FACTORS:
@@ -288,12 +290,7 @@ class KVShard:
                 f"local rank {self.book.speaker(m.id)} pushes for the host: the ranks' information books differ"
             )
         self._count_in(frame, local)
-
-        def keep(p: Pending) -> None:
-            if rank not in p.landing:  # not received into its slot (it came early, or in process)
-                p.slots[rank] = np.frombuffer(frame.payload, dtype=self._dtype[m.id])
-
-        self._arrived(rank, m.id, frame, keep)
+        self._arrived(rank, m.id, frame)
 
     def _on_factors(self, rank: int, frame: Frame, local: bool) -> None:
         found = self._factored.get(frame.key)
@@ -308,21 +305,18 @@ class KVShard:
             frame, m, n, what=f"{self.book.manifest[params[0]].name} at clock {frame.clock}"
         )
         self._count_in(frame, local)
-
-        def keep(p: Pending) -> None:
-            p.slots[rank] = (u, v)  # views: every frame handed to the shard has a buffer of its own
-
-        self._arrived(rank, frame.key, frame, keep)
+        self._arrived(rank, frame.header.key, frame, (u, v))  # views: every frame has a buffer of its own
 
     def _count_in(self, frame: Frame, local: bool) -> None:
         self.stats.bytes_in += frame.header.length
         if not local:
             self.stats.remote_bytes_in += frame.header.length
 
-    def _arrived(self, rank: int, mid: int, frame: Frame, store) -> None:
+    def _arrived(self, rank: int, mid: int, frame: Frame, factors: Optional[tuple] = None) -> None:
         """Rank ``rank``'s contribution to message ``mid`` at the frame's clock: pushes and factors
-        alike are checked against the clock, kept, timed, and finalize the clock once complete."""
-        clock = frame.clock
+        (``factors``: their ``(u, v)``) alike are checked against the clock, kept, timed, and
+        finalize the clock once complete."""
+        clock = frame.header.clock
         if self._settled(mid, clock):
             self.stats.late_discarded += 1
             log.info(
@@ -340,8 +334,12 @@ class KVShard:
         for gone in self._departed:
             if gone in self._pushers[mid] and gone not in p.have:  # BSP cannot finalize without it: say so now
                 self._report_departed(gone, [rank])
-        store(p)
-        p.landing.discard(rank)
+        if factors is not None:
+            p.slots[rank] = factors
+        elif rank in p.landing:  # received into its slot
+            p.landing.discard(rank)
+        else:  # it came before its clock was opened, or in process: its own buffer is kept
+            p.slots[rank] = np.frombuffer(frame.payload, dtype=self._dtype[mid])
         p.have.add(rank)
         now = self._loop.time()
         if len(p.have) == 1:

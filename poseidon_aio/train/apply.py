@@ -156,7 +156,7 @@ class Applier:
         return any(self._bytes_of(ids) >= least for ids in state.sync_ids)
 
     def _bytes_of(self, ids) -> int:
-        return sum(self.param_bytes[i] for i in ids)
+        return sum(map(self.param_bytes.__getitem__, ids))  # (no generator: this runs on the loop every step)
 
     async def _step_as_synced(self, state: StepState) -> None:
         """Await ``state``'s syncs, stepping the optimizer on the parameters of those that have

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 import threading
 import time
 from typing import Callable, Iterator, Optional
@@ -27,6 +28,9 @@ from .layers import FactorCapture, GradReady, Layer, TokenCount
 from .staging import Staging
 from .step import Aggregates, StepState
 from .trace import Span
+
+_INDEX = operator.attrgetter("index")  # a layer's
+_READY_AT = operator.itemgetter(1)  # a held (layer, ready_at)'s
 
 
 class SchemePlan:
@@ -176,8 +180,10 @@ class Dispatch:
         """After the backward: the naive mode's held layers, and layers that gave no gradient."""
         self._handoff.drain()  # hooks' layers not launched yet keep their ready times
         state.compute_done = True
+        launched = state.launched
         for layer in [*state.deferred, *reversed(self.layers)]:
-            self._launch(state, layer)
+            if layer.index not in launched:  # (most are: a call each would cost the loop for nothing)
+                self._launch(state, layer)
 
     def remove(self) -> None:
         for hook in [*self.ready.values(), *self.captures.values(), *self._tokens, self._forward_end]:
@@ -237,14 +243,15 @@ class Dispatch:
         are staged off the loop, one layer at a time."""
         scheme = self.plan.schemes[held[0][0].index]
         syncer = self.syncers.get(scheme)
-        if self.gpu or not isinstance(syncer, Merging) or any(layer.index in state.launched for layer, _ in held):
+        # (map and attrgetter, not generators: this runs on the loop once a group a step)
+        if self.gpu or not isinstance(syncer, Merging) or not state.launched.isdisjoint(map(_INDEX, layers)):
             for layer, ready_at in held:
                 self._launch(state, layer, ready_at)
             return
         for layer, ready_at in held:
             state.launched.add(layer.index)
             state.ready_at[layer.index] = ready_at
-        span = Span(f"{layers[-1].name}..{layers[0].name}", scheme, max(r for _, r in held), time.perf_counter())
+        span = Span(f"{layers[-1].name}..{layers[0].name}", scheme, max(map(_READY_AT, held)), time.perf_counter())
 
         def start() -> asyncio.Future:
             bucket = flat if flat is not None else self.flat.bucket(state, layers)
