@@ -458,8 +458,7 @@ class Connection(ReceiveCore, asyncio.BufferedProtocol, Endpoint):
 
     def _build_frame(self, kind: Kind, payload, key: int, clock: int, dtype: DType, flags: int) -> tuple:
         """``([header, *payload views], total bytes)``: what :meth:`_write` takes."""
-        views = payload_views(payload)
-        length = views[0].nbytes if len(views) == 1 else sum(v.nbytes for v in views)  # (most are one)
+        views, length = payload_views(payload)
         crc = payload_crc(views) if self._checksum else None
         header = encode_header(
             kind, rank=self.rank, key=key, clock=clock, length=length, dtype=dtype, flags=flags, payload_crc=crc

@@ -30,11 +30,14 @@ def silence(fut: asyncio.Future) -> None:
         fut.exception()
 
 
-def payload_views(payload) -> list:
-    """Flat byte views of a payload given as one buffer or a list of them (gathered, not copied)."""
+def payload_views(payload) -> tuple:
+    """``(views, bytes)``: flat byte views of a payload given as one buffer or a list of them
+    (gathered, not copied), and their total size."""
     if isinstance(payload, (list, tuple)):
-        return [byte_view(p) for p in payload]
-    return [byte_view(payload)]
+        views = [byte_view(p) for p in payload]
+        return views, sum(v.nbytes for v in views)
+    view = byte_view(payload)  # (most payloads: one buffer, sized without a generator)
+    return [view], view.nbytes
 
 
 def moved_into(frame: Frame, into) -> Frame:

@@ -79,8 +79,7 @@ class LocalLink(Endpoint):
         """Hand one frame to the peer now (an in-process link never has to wait): ``True``."""
         if self._exc is not None:
             raise self._lost()
-        views = payload_views(payload)
-        length = views[0].nbytes if len(views) == 1 else sum(v.nbytes for v in views)  # (most are one)
+        views, length = payload_views(payload)
         encode_header(
             kind, rank=self.rank, key=key, clock=clock, length=length, dtype=dtype, flags=flags
         )  # range checks

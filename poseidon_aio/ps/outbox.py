@@ -87,8 +87,7 @@ class Outbox:
             while self._frames:
                 frame = self._frames[0]
                 kind, payload, key, clock, dtype = frame
-                priority = 0 if kind is Kind.CONTROL else 1  # (_priority's, inline: once a frame)
-                if not conn.try_send(kind, payload, key=key, clock=clock, dtype=dtype, priority=priority):
+                if not conn.try_send(kind, payload, key=key, clock=clock, dtype=dtype, priority=_PRIORITY.get(kind, 1)):
                     break
                 self._frames.popleft()
                 self.nbytes -= frame_bytes(frame)
@@ -105,15 +104,15 @@ class Outbox:
         while self._frames and self._conn is conn:
             frame = self._frames[0]
             kind, payload, key, clock, dtype = frame
-            await conn.send(kind, payload, key=key, clock=clock, dtype=dtype, priority=_priority(kind))
+            await conn.send(kind, payload, key=key, clock=clock, dtype=dtype, priority=_PRIORITY.get(kind, 1))
             if self._frames and self._frames[0] is frame:  # not cleared meanwhile
                 self._frames.popleft()
                 self.nbytes -= frame_bytes(frame)
             self._on_sent(frame, conn)
 
 
-def _priority(kind: Kind) -> int:
-    return 0 if kind is Kind.CONTROL else 1  # a notice goes before the data it concerns
+# A notice goes before the data it concerns (1: every other kind); a dict's get, as it runs a frame.
+_PRIORITY = {Kind.CONTROL: 0}
 
 
 def _quiet(task: asyncio.Task) -> None:
