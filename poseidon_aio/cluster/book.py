@@ -92,7 +92,8 @@ def spread_bytes_for(alpha: float, beta: float, shards: int) -> int:
 
 def pipeline_bytes_for(beta: float, spread_bytes: int) -> int:
     """The least run of a merge group worth a run past one a shard on a link of ``beta`` seconds
-    a byte: its bytes in ``PIPELINE_RUN_S``, at least ``PIPELINE_MIN_BYTES`` and ``spread_bytes``.
+    a byte: its bytes in ``PIPELINE_RUN_S``, at least ``PIPELINE_MIN_BYTES`` and ``spread_bytes``
+    (a link not measured, ``beta`` 0: ``spread_bytes``).
 
     >>> pipeline_bytes_for(8e-9, 65536), pipeline_bytes_for(80e-9, 65536)
     (250000, 131072)
