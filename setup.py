@@ -1,7 +1,8 @@
-"""Builds the Cython codec and receive core from _ext/ when a compiler is there; the pure-Python twin otherwise.
+"""Builds the Cython codec, receive core and shard tally from _ext/ when a compiler is there; the
+pure-Python twins otherwise.
 
 POSEIDON_NO_EXTENSIONS=1 skips the build. A failed build (no compiler, no Python headers) is
-reported and the install goes on: poseidon_aio.wire.CODEC (poseidon_aio.net.core.RECEIVE_CORE)
+reported and the install goes on: poseidon_aio.wire.CODEC (net.core.RECEIVE_CORE, ps.tally.TALLY)
 then says "python".
 """
 
@@ -40,6 +41,8 @@ def extensions():
                 Extension("poseidon_aio.wire._ccodec", ["_ext/codec.pyx"], extra_compile_args=["-O3"]),
                 # The connection's receive core; it cimports the codec (poseidon_aio/wire/_ccodec.pxd).
                 Extension("poseidon_aio.net._creceive", ["_ext/receive.pyx"], extra_compile_args=["-O3"]),
+                # The shard's per-push bookkeeping (poseidon_aio/ps/tally.py's twin).
+                Extension("poseidon_aio.ps._ctally", ["_ext/tally.pyx"], extra_compile_args=["-O3"]),
             ],
             compiler_directives={"language_level": "3"},
             quiet=True,

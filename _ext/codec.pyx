@@ -215,6 +215,28 @@ cdef memoryview _byte_view(payload):
     return view
 
 
+def byte_view(payload):
+    """A flat unsigned-byte view of any C-contiguous buffer, without copying."""
+    return _byte_view(payload)
+
+
+def payload_views(payload):
+    """``(views, bytes)``: flat byte views of a payload given as one buffer or a list (or tuple)
+    of them, sent back to back (gathered, not copied), and their total size."""
+    cdef list views
+    cdef memoryview view
+    cdef Py_ssize_t total = 0
+    if isinstance(payload, (list, tuple)):
+        views = []
+        for part in payload:
+            view = _byte_view(part)
+            views.append(view)
+            total += view.nbytes
+        return views, total
+    view = _byte_view(payload)
+    return [view], view.nbytes
+
+
 def frame_parts(kind, payload=b"", *, rank=0, key=0, clock=0, dtype=DType.BYTES, flags=0, checksum=False):
     """Return ``[header, payload_view]`` for ``transport.writelines``: the payload is not copied."""
     view = _byte_view(payload)

@@ -112,7 +112,7 @@ PLACES = [
     ("frame dispatch (Endpoint)", r"net/endpoint\.py|net/local\.py"),
     ("inline work's timing, loop hops (net/loop.py)", r"net/loop\.py"),
     ("send path (shaper, outbox, backpressure)", r"net/(shaper|backpressure)\.py|ps/outbox\.py"),
-    ("shard aggregation (PS server)", r"ps/(server|shard|slots|sgd|node)\.py"),
+    ("shard aggregation (PS server)", r"ps/(server|shard|tally|slots|sgd|node)\.py"),
     ("PS client", r"ps/(client|pulls)\.py|sync/(ps|hierarchical_ps)\.py"),
     ("all-reduce", r"sync/(allreduce|collective|hierarchical)\.py"),
     ("SFB and factors", r"sync/(sfb|hierarchical_sfb|adam)\.py|wire/(factors|lowrank)\.py"),
@@ -129,9 +129,12 @@ C_PLACES = [
     ("Python's garbage collector", r"^gc_collect"),
 ]
 _PYTHON = re.compile(r"\.py:\d+\)$")
-# The compiled receive core runs under the loop's C with no Python frame of its own: its native
-# frames (and the compiled decoder's under them) are the receive path, up to a Python callback.
-_COMPILED_RECEIVE = re.compile(r"_creceive|receive\.pyx")
+# The compiled parts run under the loop's C with no Python frame of their own: their native frames
+# (and the compiled decoder's under the receive core) are their place, up to a Python callback.
+_COMPILED = [
+    (re.compile(r"_ctally|tally\.pyx"), "shard aggregation (PS server)"),
+    (re.compile(r"_creceive|receive\.pyx"), "receive path (Connection)"),
+]
 # A thread blocked in one of these is off the CPU: py-spy's --native samples it all the same (an
 # idle executor thread, a loop in epoll, a replayed layer's sleep), and /proc's CPU shared over
 # such samples would land on waits. What the wait's own system call costs stays unattributed.
@@ -152,8 +155,9 @@ def where(frames: list) -> str:
         if any(re.search(pattern, f) for f in frames[-4:]):
             return what
     for frame in reversed(frames):
-        if _COMPILED_RECEIVE.search(frame):
-            return "receive path (Connection)"
+        for pattern, what in _COMPILED:
+            if pattern.search(frame):
+                return what
         if _PYTHON.search(frame) and not frame.startswith("Thread."):
             return place(frame)
     return "C with no Python frame (uvloop, gloo, torch threads)"

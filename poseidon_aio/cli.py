@@ -21,10 +21,12 @@ def _info(args: argparse.Namespace) -> int:
     from . import __version__
     from .net import LOOP
     from .net.core import RECEIVE_CORE, RECEIVE_CORES
+    from .ps.tally import TALLIES, TALLY
     from .wire import CODEC, CODECS, CRC32C_HARDWARE
 
     print(f"poseidon_aio {__version__}: codec {CODEC} (built: {', '.join(sorted(CODECS))}), loop {LOOP}")
     print(f"receive core: {RECEIVE_CORE} (built: {', '.join(sorted(RECEIVE_CORES))})")
+    print(f"shard tally: {TALLY} (built: {', '.join(sorted(TALLIES))})")
     print(f"payload CRC32C: {'CPU instructions' if CRC32C_HARDWARE else 'software (no SSE4.2 or ARMv8 CRC: slow)'}")
     versions = {"python": platform.python_version()}
     for name in ("torch", "numpy", "uvloop", "crc32c", "cupy"):
@@ -33,7 +35,9 @@ def _info(args: argparse.Namespace) -> int:
     print("interfaces: " + (", ".join(f"{name} {addr}" for name, addr in _interfaces()) or "none found"))
     if args.require_extension:
         missing = [
-            what for what, built in (("codec", CODECS), ("receive core", RECEIVE_CORES)) if "cython" not in built
+            what
+            for what, built in (("codec", CODECS), ("receive core", RECEIVE_CORES), ("shard tally", TALLIES))
+            if "cython" not in built
         ]
         if missing:
             verb = "is" if len(missing) == 1 else "are"
@@ -524,7 +528,9 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="versions, the codec and event loop in use, network interfaces")
     info.add_argument(
-        "--require-extension", action="store_true", help="fail if the Cython codec or receive core is not built"
+        "--require-extension",
+        action="store_true",
+        help="fail if the Cython codec, receive core or shard tally is not built",
     )
     info.set_defaults(func=_info)
     shard = sub.add_parser("shard", help="run one parameter-server shard in this process")

@@ -61,6 +61,10 @@ def test_the_compiled_receive_core_is_the_receive_path_up_to_a_python_callback()
     assert profile.where([*loop, core, "KVShard._on_frame (poseidon_aio/ps/shard.py:248)"]) == (
         "shard aggregation (PS server)"
     )
+    tally = "__pyx_f_Tally__arrived (poseidon_aio/ps/_ctally.cpython-311-x86_64-linux-gnu.so)"
+    assert profile.where([*loop, core, tally, "_PyObject_Malloc (libpython3.11.so.1.0)"]) == (
+        "shard aggregation (PS server)"
+    )
     twin = "ReceiveCore.buffer_updated (poseidon_aio/net/receive.py:70)"
     assert profile.where([*loop, twin, "Endpoint._to_inbox (poseidon_aio/net/endpoint.py:280)"]) == (
         "frame dispatch (Endpoint)"

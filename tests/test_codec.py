@@ -392,6 +392,23 @@ def test_an_empty_payload_has_checksum_zero_and_round_trips(codec):
     assert frames[0].header.length == 0
 
 
+@settings(max_examples=50, deadline=None)
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=3), min_size=0, max_size=4), as_list=st.booleans()
+)
+def test_payload_views_are_flat_bytes_of_each_part_and_their_size_twins_alike(shapes, as_list):
+    parts = [np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape) for shape in shapes]
+    payload = parts if as_list or len(parts) != 1 else parts[0]
+    results = {name: codec.payload_views(payload) for name, codec in CODECS.items()}
+    for views, nbytes in results.values():
+        assert [v.tobytes() for v in views] == [p.tobytes() for p in (parts if payload is parts else [payload])]
+        assert all(v.ndim == 1 and v.format == "B" for v in views)
+        assert nbytes == sum(p.nbytes for p in parts)
+    for codec in CODECS.values():
+        with pytest.raises(LocalProtocolError, match="C-contiguous"):
+            codec.payload_views([np.ones(4, np.float32), np.ones((4, 4), np.float32)[:, 1]])
+
+
 def _mutations(rng: random.Random, data: bytes) -> bytes:
     data = bytearray(data)
     for _ in range(rng.randint(1, 4)):

@@ -12,10 +12,18 @@ from hypothesis import strategies as st
 from poseidon_aio.cluster import InformationBook, Manifest, ParamSpec
 from poseidon_aio.errors import ConnectionLost
 from poseidon_aio.ps import KVShard, PSConfig, StragglerPolicy, reduce_mean
+from poseidon_aio.ps import tally as tally_module
 from poseidon_aio.wire import DType, Kind
 
 from .support.memtransport import connected_pair, run_async
 from .support.procs import net_config
+
+
+@pytest.fixture(autouse=True, params=sorted(tally_module.TALLIES))
+def tally(request, monkeypatch):
+    """Every test here runs on each tally built: the compiled one and its pure-Python twin."""
+    monkeypatch.setattr(tally_module, "TALLY", request.param)
+    return request.param
 
 
 async def shard_with_workers(workers: int, book: InformationBook, config: PSConfig, seed: int = 0):
@@ -28,7 +36,11 @@ async def shard_with_workers(workers: int, book: InformationBook, config: PSConf
     return shard, clients
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],  # (the tally: constant)
+)
 @given(
     workers=st.integers(2, 5),
     order=st.randoms(use_true_random=False),
@@ -113,6 +125,57 @@ async def test_malformed_pushes_end_the_connection_with_the_reason(push, match):
     await clients[0].send(Kind.PUSH, payload, **fields)
     with pytest.raises(ConnectionLost, match=match):
         await clients[0].recv(timeout=5)
+    for c in clients:
+        await c.close()
+    await shard.close()
+
+
+async def test_a_push_repeated_at_a_clock_ends_that_connection_naming_it(tally):
+    book = InformationBook(Manifest([ParamSpec("w", (8,))]), workers=2, shards=1)
+    shard, clients = await shard_with_workers(2, book, PSConfig())
+    assert type(shard._tally) is tally_module.TALLIES[tally]
+    for _ in range(2):
+        await clients[0].send(Kind.PUSH, np.ones(8, np.float32), key=0, clock=0, dtype=DType.FLOAT32)
+    with pytest.raises(ConnectionLost, match="rank 0 sent PUSH for message 0 twice at clock 0"):
+        await clients[0].recv(timeout=5)
+    assert shard.pending_ranks() == {(0, 0): [1]}  # the first push still counts
+    for c in clients:
+        await c.close()
+    await shard.close()
+
+
+async def test_a_gradient_pushed_for_a_layer_the_shard_rebuilds_from_factors_is_refused():
+    book = InformationBook(Manifest([ParamSpec("w", (6, 4))]), workers=2, shards=1, factored=[["w"]])
+    shard, clients = await shard_with_workers(2, book, PSConfig())
+    message = book.messages[0]
+    await clients[0].send(Kind.PUSH, np.ones(message.nbytes // 4, np.float32), key=message.id, dtype=DType.FLOAT32)
+    with pytest.raises(ConnectionLost, match="rebuilds from sufficient factors: the ranks' scheme plans differ"):
+        await clients[0].recv(timeout=5)
+    for c in clients:
+        await c.close()
+    await shard.close()
+
+
+async def test_clocks_complete_out_of_order_and_finalize_in_order():
+    # SSP: every worker's clock 1 is in before clock 0's last push; clock 1 waits for clock 0.
+    book = InformationBook(Manifest([ParamSpec("w", (16,))]), workers=2, shards=1)
+    shard, clients = await shard_with_workers(2, book, PSConfig(staleness=1))
+    outs = {(r, t): np.empty(16, np.float32) for r in range(2) for t in range(2)}
+    waits = [c.expect(Kind.AGGREGATE, 0, t, into=outs[(r, t)]) for r, c in enumerate(clients) for t in range(2)]
+    await clients[0].send(Kind.PUSH, np.full(16, 1.0, np.float32), key=0, clock=0, dtype=DType.FLOAT32)
+    for r, c in enumerate(clients):
+        await c.send(Kind.PUSH, np.full(16, 10.0 * (r + 1), np.float32), key=0, clock=1, dtype=DType.FLOAT32)
+
+    async def both_open():
+        while len(shard.pending_ranks()) < 2:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(both_open(), timeout=10)
+    assert shard.pending_ranks() == {(0, 0): [1], (0, 1): []} and shard.stats.finalized == 0
+    await clients[1].send(Kind.PUSH, np.full(16, 3.0, np.float32), key=0, clock=0, dtype=DType.FLOAT32)
+    await asyncio.wait_for(asyncio.gather(*waits), timeout=10)
+    assert all(np.all(outs[(r, 0)] == 2.0) and np.all(outs[(r, 1)] == 15.0) for r in range(2))
+    assert shard.stats.finalized == 2 and not shard.pending_ranks()
     for c in clients:
         await c.close()
     await shard.close()
@@ -245,6 +308,7 @@ async def test_project_adam_goes_through_the_clock_straggler_and_late_path():
     await shard.close()
 
 
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     workers=st.integers(1, 5),
     data=st.data(),

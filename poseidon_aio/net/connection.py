@@ -52,11 +52,11 @@ from ..errors import (
     PeerTimeout,
     RemoteProtocolError,
 )
-from ..wire import DType, Frame, Kind, encode_frame, encode_header, payload_crc
+from ..wire import DType, Frame, Kind, encode_frame, encode_header, payload_crc, payload_views
 from .backpressure import WriteTurns
 from .config import NetConfig
 from .core import ReceiveCore
-from .endpoint import Endpoint, payload_views, silence
+from .endpoint import Endpoint, silence
 from .handshake import HANDSHAKE_MAX_PAYLOAD, PROTOCOL_VERSION, Handshake, Role
 from .loop import is_uvloop
 from .shaper import Shaper
@@ -243,6 +243,7 @@ class Connection(ReceiveCore, asyncio.BufferedProtocol, Endpoint):
             await bucket.acquire(bucket.cost_of(nbytes, kind), priority)
         if self._turns.busy:
             await self._turns.wait(priority)
+        self._raise_if_closed()  # (again: the link may have ended while this frame waited)
         self._write(parts, nbytes)
 
     def try_send(
@@ -466,7 +467,7 @@ class Connection(ReceiveCore, asyncio.BufferedProtocol, Endpoint):
         return [header, *views], len(header) + length
 
     def _write(self, parts: list, nbytes: int) -> None:
-        self._raise_if_closed()
+        """Hand a frame to the transport (the caller has checked the link is open)."""
         if nbytes < _JOIN_BELOW:
             self._gather(b"".join(parts), nbytes)
         else:

@@ -30,16 +30,6 @@ def silence(fut: asyncio.Future) -> None:
         fut.exception()
 
 
-def payload_views(payload) -> tuple:
-    """``(views, bytes)``: flat byte views of a payload given as one buffer or a list of them
-    (gathered, not copied), and their total size."""
-    if isinstance(payload, (list, tuple)):
-        views = [byte_view(p) for p in payload]
-        return views, sum(v.nbytes for v in views)
-    view = byte_view(payload)  # (most payloads: one buffer, sized without a generator)
-    return [view], view.nbytes
-
-
 def moved_into(frame: Frame, into) -> Frame:
     """``frame`` with its payload copied into ``into`` (which must have exactly its size)."""
     view = byte_view(into)

@@ -13,8 +13,8 @@ import asyncio
 from typing import Optional
 
 from ..errors import ConnectionLost
-from ..wire import DType, Frame, Header, Kind, byte_view, encode_header
-from .endpoint import Endpoint, payload_views
+from ..wire import DType, Frame, Header, Kind, byte_view, encode_header, payload_views
+from .endpoint import Endpoint
 
 # Same default as NetConfig.inbox_high_water: in-process, nothing pauses, but keep the bound.
 _INBOX_HIGH_WATER = 64 << 20

@@ -31,15 +31,15 @@ class Outbox:
     Args:
         rank: the worker.
         limit: payload bytes it may hold before :meth:`put` reports an overflow.
-        on_sent: called with ``(frame, link)`` once a frame is handed to the link.
+        on_sent: called with ``(kind, payload bytes, link)`` once a frame is handed to the link.
     """
 
-    def __init__(self, rank: int, limit: int, on_sent: Callable[[tuple, Endpoint], None]) -> None:
+    def __init__(self, rank: int, limit: int, on_sent: Callable[[Kind, int, Endpoint], None]) -> None:
         self.rank = rank
         self.limit = limit
         self.nbytes = 0
         self.max_nbytes = 0
-        self._frames: deque = deque()
+        self._frames: deque = deque()  # (frame, its payload bytes): sized once, when queued
         self._conn: Optional[Endpoint] = None
         self._writer: Optional[asyncio.Task] = None
         self._on_sent = on_sent
@@ -50,8 +50,9 @@ class Outbox:
     def put(self, frames: list) -> bool:
         """Queue ``frames``; return ``False`` if the outbox now holds more than its limit."""
         for frame in frames:
-            self._frames.append(frame)
-            self.nbytes += frame_bytes(frame)
+            nbytes = frame_bytes(frame)
+            self._frames.append((frame, nbytes))
+            self.nbytes += nbytes
         self.max_nbytes = max(self.max_nbytes, self.nbytes)
         self._wake()
         return self.nbytes <= self.limit
@@ -85,13 +86,12 @@ class Outbox:
         conn = self._conn
         try:
             while self._frames:
-                frame = self._frames[0]
-                kind, payload, key, clock, dtype = frame
+                (kind, payload, key, clock, dtype), nbytes = self._frames[0]
                 if not conn.try_send(kind, payload, key=key, clock=clock, dtype=dtype, priority=_PRIORITY.get(kind, 1)):
                     break
                 self._frames.popleft()
-                self.nbytes -= frame_bytes(frame)
-                self._on_sent(frame, conn)
+                self.nbytes -= nbytes
+                self._on_sent(kind, nbytes, conn)
         except ConnectionError:
             return  # the link is gone; its loss is reported by the link, the frames stay queued
         if self._frames:
@@ -102,13 +102,13 @@ class Outbox:
         # One writer per worker keeps its frames in order (a notice before the data it concerns)
         # and holds one send at a time: a task per frame would pin every payload of a slow worker.
         while self._frames and self._conn is conn:
-            frame = self._frames[0]
-            kind, payload, key, clock, dtype = frame
+            entry = self._frames[0]
+            (kind, payload, key, clock, dtype), nbytes = entry
             await conn.send(kind, payload, key=key, clock=clock, dtype=dtype, priority=_PRIORITY.get(kind, 1))
-            if self._frames and self._frames[0] is frame:  # not cleared meanwhile
+            if self._frames and self._frames[0] is entry:  # not cleared meanwhile
                 self._frames.popleft()
-                self.nbytes -= frame_bytes(frame)
-            self._on_sent(frame, conn)
+                self.nbytes -= nbytes
+            self._on_sent(kind, nbytes, conn)
 
 
 # A notice goes before the data it concerns (1: every other kind); a dict's get, as it runs a frame.

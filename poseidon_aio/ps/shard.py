@@ -9,7 +9,8 @@ Project Adam's layers arrive as every worker's sufficient factors (FACTORS), reb
 GEMM, through the same path: late clocks discarded, deadlines, stall reports, stragglers dropped.
 Clocks of one message finalize in order, so SSP's bound holds on every worker.
 
-The pieces: :mod:`.slots` (receive slots, reply buffers), :mod:`.outbox` (what each worker is
+The pieces: :mod:`.tally` (which pushes each clock holds: the per-push path, compiled where the
+codec is), :mod:`.slots` (receive slots, reply buffers), :mod:`.outbox` (what each worker is
 owed, bounded), :mod:`.pulls` (parameters served to pulling workers), :mod:`.sgd` (server-side
 SGD and its checkpoints), :mod:`.rebuild` (Project Adam). Drops, stalls and failures reach the
 workers as CONTROL frames (JSON) before the data they concern.
@@ -34,9 +35,9 @@ from ..errors import RemoteProtocolError
 from ..net import Endpoint
 from ..wire import DTYPE_BY_NAME, DType, Frame, Header, Kind
 from ..wire import factors as sufficient_factors
-from . import checkpoint
+from . import checkpoint, tally
 from .config import PSConfig
-from .outbox import Outbox, frame_bytes
+from .outbox import Outbox
 from .rebuild import rebuild
 from .sgd import ServerOptimizer
 from .pulls import Pulls
@@ -125,6 +126,7 @@ class KVShard:
         self._loop = asyncio.get_running_loop()
         self._closed = False
         self._quorum = config.stragglers.quorum_of(self.workers)
+        self._tally = tally.TALLIES[tally.TALLY](self)
         if state is not None and self._sgd is not None:
             self._sgd.load(state, {mid: self._numel[mid] for mid in self._messages if mid not in self._rebuilt})
 
@@ -149,11 +151,13 @@ class KVShard:
         self._ever.add(rank)
         if len(self._ever) == self.workers:
             self._all_joined.set()
-        # Partials, not lambdas: the link calls these per frame, and a partial adds no Python frame.
+        # Partials, not lambdas: the link calls these per frame, and a partial adds no Python frame
+        # (the compiled tally's methods none at all).
+        hooks = self._tally
         conn.set_handler(
-            functools.partial(self._on_frame, conn),
-            allocate=functools.partial(self._allocate, conn),
-            limit=functools.partial(self._limit, conn),
+            functools.partial(hooks.on_frame, conn),
+            allocate=functools.partial(hooks.allocate, conn),
+            limit=functools.partial(hooks.limit, conn),
         )
         conn.on_close(self._on_lost)
         self._outboxes[rank].attach(conn)
@@ -206,52 +210,11 @@ class KVShard:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         self._pool.shutdown(wait=True)
 
-    # -- receive ----------------------------------------------------------------------------
-
-    def _limit(self, conn: Endpoint, header: Header) -> Optional[int]:
-        # A push, pull or parameter frame carries exactly its message: refuse any other size when
-        # the header arrives, before a peer with a different model makes us receive the payload.
-        if header.kind in (Kind.PUSH, Kind.PARAMS, Kind.PULL):
-            return self._message(conn.peer_rank, header).nbytes
-        return None  # factors: K rows, judged once received; other kinds: _on_frame refuses them
-
-    def _allocate(self, conn: Endpoint, header: Header):
-        if header.kind is not Kind.PUSH:
-            return None
-        mid, clock = header.key, header.clock
-        if mid not in self._messages or mid in self._rebuilt or header.length != self._messages[mid].nbytes:
-            return None
-        if self._settled(mid, clock):
-            return None
-        rank = conn.peer_rank
-        if rank not in self._pushers[mid]:
-            return None
-        p = self._pending_for(mid, clock)
-        if rank in p.have or rank in p.landing:
-            return None
-        p.landing.add(rank)
-        return p.slots[rank]
-
-    def _settled(self, mid: int, clock: int) -> bool:
-        """No push counts for this clock any more: it has finalized, or its finalization is under
-        way (``_advance`` only ever starts the clock after the last finalized one, and has already
-        taken its pending entry: a repeat that reached ``_pending_for`` would open a new one that
-        never finalizes)."""
-        done = self._finalized[mid]
-        return clock <= done or (clock == done + 1 and mid in self._busy)
-
-    def _pending_for(self, mid: int, clock: int) -> Pending:
-        p = self._pending.get((mid, clock))
-        if p is None:
-            slots = {} if mid in self._factored else self._slots.take(mid, self._numel[mid], self._dtype[mid])
-            p = self._pending[(mid, clock)] = Pending(slots)
-        return p
+    # -- receive: pushes go to the tally (tally.py), the rarer kinds come here ----------------
 
     def _on_frame(self, conn: Endpoint, frame: Frame) -> None:
         kind = frame.header.kind
-        if kind is Kind.PUSH:
-            self._on_push(conn.peer_rank, frame, conn.is_local)
-        elif kind is Kind.FACTORS:
+        if kind is Kind.FACTORS:
             self._on_factors(conn.peer_rank, frame, conn.is_local)
         elif kind is Kind.PULL:
             self._on_pull(conn.peer_rank, frame)
@@ -277,20 +240,18 @@ class KVShard:
             )
         return m
 
-    def _on_push(self, rank: int, frame: Frame, local: bool = False) -> None:
-        m = self._message(rank, frame.header)
+    def _refuse_push(self, rank: int, frame: Frame) -> None:
+        """Raise why rank ``rank`` may not push this message (the tally found it may not)."""
+        m = self._messages[frame.header.key]
         if m.id in self._rebuilt:
             raise RemoteProtocolError(
                 f"rank {rank} pushed a gradient for message {m.id} ({self._describe(m)}) at clock {frame.clock}, which "
                 f"shard {self.index} rebuilds from sufficient factors: the ranks' scheme plans differ"
             )
-        if rank not in self._pushers[m.id]:
-            raise RemoteProtocolError(
-                f"rank {rank} pushed message {m.id} ({self._describe(m)}) at clock {frame.clock}, which its host's "
-                f"local rank {self.book.speaker(m.id)} pushes for the host: the ranks' information books differ"
-            )
-        self._count_in(frame, local)
-        self._arrived(rank, m.id, frame)
+        raise RemoteProtocolError(
+            f"rank {rank} pushed message {m.id} ({self._describe(m)}) at clock {frame.clock}, which its host's "
+            f"local rank {self.book.speaker(m.id)} pushes for the host: the ranks' information books differ"
+        )
 
     def _on_factors(self, rank: int, frame: Frame, local: bool) -> None:
         found = self._factored.get(frame.key)
@@ -304,50 +265,10 @@ class KVShard:
         u, v = sufficient_factors.decode(
             frame, m, n, what=f"{self.book.manifest[params[0]].name} at clock {frame.clock}"
         )
-        self._count_in(frame, local)
-        self._arrived(rank, frame.header.key, frame, (u, v))  # views: every frame has a buffer of its own
-
-    def _count_in(self, frame: Frame, local: bool) -> None:
         self.stats.bytes_in += frame.header.length
         if not local:
             self.stats.remote_bytes_in += frame.header.length
-
-    def _arrived(self, rank: int, mid: int, frame: Frame, factors: Optional[tuple] = None) -> None:
-        """Rank ``rank``'s contribution to message ``mid`` at the frame's clock: pushes and factors
-        (``factors``: their ``(u, v)``) alike are checked against the clock, kept, timed, and
-        finalize the clock once complete."""
-        clock = frame.header.clock
-        if self._settled(mid, clock):
-            self.stats.late_discarded += 1
-            log.info(
-                "shard %d: discarded rank %d's late %s of message %d at clock %d",
-                self.index,
-                rank,
-                frame.kind.name,
-                mid,
-                clock,
-            )
-            return
-        p = self._pending_for(mid, clock)
-        if rank in p.have:
-            raise RemoteProtocolError(f"rank {rank} sent {frame.kind.name} for message {mid} twice at clock {clock}")
-        for gone in self._departed:
-            if gone in self._pushers[mid] and gone not in p.have:  # BSP cannot finalize without it: say so now
-                self._report_departed(gone, [rank])
-        if factors is not None:
-            p.slots[rank] = factors
-        elif rank in p.landing:  # received into its slot
-            p.landing.discard(rank)
-        else:  # it came before its clock was opened, or in process: its own buffer is kept
-            p.slots[rank] = np.frombuffer(frame.payload, dtype=self._dtype[mid])
-        p.have.add(rank)
-        now = self._loop.time()
-        if len(p.have) == 1:
-            p.first_at = now
-            self._arm_timers(mid, clock, p)
-        if len(p.have) == len(self._pushers[mid]):
-            self._lags.append(now - p.first_at)
-        self._advance(mid)
+        self._tally.arrived(rank, frame.header.key, frame, (u, v))  # views: every frame has a buffer of its own
 
     def _arm_timers(self, mid: int, clock: int, p: Pending) -> None:
         policy = self.config.stragglers
@@ -538,9 +459,8 @@ class KVShard:
         if not self._outboxes[rank].put(frames):
             self._overflow(rank)
 
-    def _sent(self, frame: tuple, conn: Endpoint) -> None:
-        if frame[0] is not Kind.CONTROL:
-            nbytes = frame_bytes(frame)
+    def _sent(self, kind: Kind, nbytes: int, conn: Endpoint) -> None:
+        if kind is not Kind.CONTROL:
             self.stats.bytes_out += nbytes
             if not conn.is_local:
                 self.stats.remote_bytes_out += nbytes

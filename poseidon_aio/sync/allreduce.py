@@ -44,8 +44,7 @@ import numpy as np
 
 from ..errors import ConfigError, ConnectionLost, SyncTimeout
 from ..plan.cost import ALLREDUCE_ALGORITHMS, Scheme, goes_round_ring
-from ..wire import Kind
-from ..wire.codec import byte_view
+from ..wire import Kind, byte_view
 from ..wire.spans import spanning
 from .bucket import Bucket
 from .slices import CHUNKS_PER_LAYER, Layout, add_into, flat_arrays, gathered, layout_of, scatter

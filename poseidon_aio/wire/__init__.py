@@ -13,7 +13,6 @@ from contextlib import suppress
 from . import codec as _pycodec
 from .checksum import HARDWARE as CRC32C_HARDWARE
 from .checksum import payload_crc
-from .codec import byte_view
 from .layout import (
     DEFAULT_MAX_PAYLOAD,
     DTYPE_BY_NAME,
@@ -47,6 +46,8 @@ decode_header = _active.decode_header
 frame_parts = _active.frame_parts
 encode_frame = _active.encode_frame
 FrameDecoder = _active.FrameDecoder
+byte_view = _active.byte_view
+payload_views = _active.payload_views
 
 __all__ = [
     "CODEC",
@@ -71,5 +72,6 @@ __all__ = [
     "encode_frame",
     "FrameDecoder",
     "byte_view",
+    "payload_views",
     "payload_crc",
 ]

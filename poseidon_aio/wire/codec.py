@@ -24,6 +24,7 @@ that announces 1 GiB and sends 1 MiB costs the receiver about 2 MiB, not 1 GiB.
 
 from __future__ import annotations
 
+import operator
 import zlib
 from typing import Callable, Optional
 
@@ -183,6 +184,19 @@ def byte_view(payload) -> memoryview:
             return memoryview(bytearray(0))
         view = view.cast("B")
     return view
+
+
+def payload_views(payload) -> tuple:
+    """``(views, bytes)``: flat byte views of a payload given as one buffer or a list (or tuple)
+    of them, sent back to back (gathered, not copied), and their total size."""
+    if isinstance(payload, (list, tuple)):
+        views = [byte_view(p) for p in payload]
+        return views, sum(map(_NBYTES, views))
+    view = byte_view(payload)
+    return [view], view.nbytes
+
+
+_NBYTES = operator.attrgetter("nbytes")
 
 
 def frame_parts(
