@@ -14,7 +14,7 @@ import numpy as np
 from poseidon_aio.errors import RemoteProtocolError
 from poseidon_aio.ps.slots import Pending
 from poseidon_aio.ps.tally import SIZED_KINDS
-from poseidon_aio.wire.layout import Kind
+from poseidon_aio.wire.layout import DTYPE_BY_NAME, Kind
 
 cdef object _PUSH = Kind.PUSH
 cdef frozenset _SIZED = SIZED_KINDS
@@ -45,8 +45,6 @@ cdef class Tally:
     cdef bint _every_push
 
     def __init__(self, shard):
-        from poseidon_aio.wire import DTYPE_BY_NAME
-
         self._shard = shard
         self._messages = shard._messages
         self._nbytes = {mid: m.nbytes for mid, m in shard._messages.items()}
