@@ -27,7 +27,8 @@ from .slots import Pending
 
 log = logging.getLogger("poseidon_aio.ps")
 
-# The kinds whose frames carry exactly their message: any other size is refused at the header.
+# The kinds whose frames carry exactly their message: any other size is refused when the header
+# arrives, before a peer with a different model makes the shard receive the payload.
 SIZED_KINDS = frozenset({Kind.PUSH, Kind.PARAMS, Kind.PULL})
 
 
