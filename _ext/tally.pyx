@@ -114,12 +114,6 @@ cdef class Tally:
     def arrived(self, rank, mid, frame, factors):
         self._arrived(rank, mid, frame, frame.header, factors)
 
-    def settled(self, mid, clock):
-        return self._settled(mid, clock)
-
-    def pending_for(self, mid, clock):
-        return self._pending_for(mid, clock)
-
     cdef _arrived(self, rank, mid, frame, header, factors):
         cdef object clock = header.clock
         cdef object p, pushers, now

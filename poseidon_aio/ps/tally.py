@@ -73,12 +73,12 @@ class Tally:
         mid, clock = header.key, header.clock
         if mid not in self._messages or mid in self._rebuilt or header.length != self._nbytes[mid]:
             return None
-        if self.settled(mid, clock):
+        if self._settled(mid, clock):
             return None
         rank = conn.peer_rank
         if rank not in self._pushers[mid]:
             return None
-        p = self.pending_for(mid, clock)
+        p = self._pending_for(mid, clock)
         if rank in p.have or rank in p.landing:
             return None
         p.landing.add(rank)
@@ -106,7 +106,7 @@ class Tally:
         (``factors``: their ``(u, v)``) alike are checked against the clock, kept, timed, and
         finalize the clock once complete."""
         clock = frame.header.clock
-        if self.settled(mid, clock):
+        if self._settled(mid, clock):
             self._stats.late_discarded += 1
             log.info(
                 "shard %d: discarded rank %d's late %s of message %d at clock %d",
@@ -117,7 +117,7 @@ class Tally:
                 clock,
             )
             return
-        p = self.pending_for(mid, clock)
+        p = self._pending_for(mid, clock)
         if rank in p.have:
             raise RemoteProtocolError(
                 f"rank {rank} sent {frame.header.kind.name} for message {mid} twice at clock {clock}"
@@ -143,15 +143,15 @@ class Tally:
             return
         self._shard._advance(mid)
 
-    def settled(self, mid: int, clock: int) -> bool:
+    def _settled(self, mid: int, clock: int) -> bool:
         """No push counts for this clock any more: it has finalized, or its finalization is under
         way (``_advance`` only ever starts the clock after the last finalized one, and has already
-        taken its pending entry: a repeat that reached :meth:`pending_for` would open a new one that
+        taken its pending entry: a repeat that reached :meth:`_pending_for` would open a new one that
         never finalizes)."""
         done = self._finalized[mid]
         return clock <= done or (clock == done + 1 and mid in self._busy)
 
-    def pending_for(self, mid: int, clock: int) -> Pending:
+    def _pending_for(self, mid: int, clock: int) -> Pending:
         """Message ``mid``'s clock in flight, opened (with its receive slots) if it is not yet."""
         p = self._pending.get((mid, clock))
         if p is None:

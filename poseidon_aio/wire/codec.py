@@ -186,6 +186,9 @@ def byte_view(payload) -> memoryview:
     return view
 
 
+_NBYTES = operator.attrgetter("nbytes")
+
+
 def payload_views(payload) -> tuple:
     """``(views, bytes)``: flat byte views of a payload given as one buffer or a list (or tuple)
     of them, sent back to back (gathered, not copied), and their total size."""
@@ -194,9 +197,6 @@ def payload_views(payload) -> tuple:
         return views, sum(map(_NBYTES, views))
     view = byte_view(payload)
     return [view], view.nbytes
-
-
-_NBYTES = operator.attrgetter("nbytes")
 
 
 def frame_parts(
