@@ -6,7 +6,8 @@ decoder's methods are C calls, each header's destination is looked up in the exp
 the decoder's own C hook, the counters and the time of the last read are C fields, and an
 expected frame completes its future here. Python is called for what is rare or policy: handshake
 and control frames, the handler and the inbox, the handler's ``limit``/``allocate`` hooks, ingress
-shaping, a change of the socket's receive mark, and errors.
+shaping, a change of the socket's receive mark, and errors. A :class:`Landing` is completed by a
+C call, and its callback is the first Python the frame meets.
 """
 
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
@@ -152,6 +153,14 @@ cdef class ReceiveCore:
             fut, into = <tuple>entry
             landed = self._landing is not None and self._landing == ident
             self._landing = None
+            if type(fut) is Landing:
+                if (<Landing>fut)._done:
+                    return
+                if into is not None and not landed:
+                    self._claimed_late(frame, fut, into)
+                    return
+                (<Landing>fut)._land(frame, None)
+                return
             if fut.done():
                 return
             if into is not None and not landed:
@@ -192,3 +201,50 @@ cdef class _LinkDecoder(FrameDecoder):
 
     cdef object _destination_for(self, header):
         return self.core._destination(header)
+
+
+cdef class Landing:
+    """Compiled landing (see the pure-Python twin for the contract): the compiled core completes
+    it by a C call."""
+
+    cdef object _callback
+    cdef object _tag
+    cdef bint _done
+    cdef bint _cancelled
+    cdef object _exc
+    cdef public object _link
+    cdef public object _ident
+
+    def __init__(self, callback, tag=None):
+        self._callback = callback
+        self._tag = tag
+
+    cdef inline _land(self, frame, exc):
+        self._done = True
+        self._exc = exc
+        self._callback(self._tag, frame, exc)
+
+    def done(self):
+        return self._done
+
+    def cancelled(self):
+        return self._cancelled
+
+    def exception(self):
+        return self._exc
+
+    def set_result(self, frame):
+        if not self._done:
+            self._land(frame, None)
+
+    def set_exception(self, exc):
+        if not self._done:
+            self._land(None, exc)
+
+    def cancel(self):
+        if self._done:
+            return False
+        self._done = self._cancelled = True
+        if self._link is not None:
+            self._link._forget(self._ident, self)
+        return True

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from poseidon_aio.errors import RemoteProtocolError
-from poseidon_aio.net.core import RECEIVE_CORES
+from poseidon_aio.net.core import LANDINGS, RECEIVE_CORES
 from poseidon_aio.net.endpoint import Endpoint
 from poseidon_aio.net.sockopts import LOWAT_MAX, LOWAT_MIN
 from poseidon_aio.wire import CODECS, Kind, encode_frame, encode_header
@@ -77,6 +77,8 @@ def _cores() -> dict:
 
 
 CORES = _cores()
+# The Landing each core completes: its own twin's.
+LANDING_OF = {name: LANDINGS[name.split("/")[0]] for name in CORES}
 
 
 def _feed(probe, stream: bytes, chunks: list) -> None:
@@ -98,6 +100,17 @@ def _outcome(fut) -> tuple:
     if fut.exception() is not None:
         return ("error", type(fut.exception()).__name__, str(fut.exception()))
     frame = fut.result()
+    return ("frame", frame.header, bytes(frame.payload))
+
+
+def _landed(calls: list) -> tuple:
+    """A landing's outcome as ``_outcome`` words a future's: it is called back at most once."""
+    assert len(calls) <= 1, calls
+    if not calls:
+        return ("pending",)
+    frame, exc = calls[0]
+    if exc is not None:
+        return ("error", type(exc).__name__, str(exc))
     return ("frame", frame.header, bytes(frame.payload))
 
 
@@ -123,23 +136,31 @@ _items = st.tuples(
     st.sampled_from(["ok"] * 12 + ["bad-crc", "bad-header", "oversize"]),
 )
 # Which frames of the stream are expected (by index, so that most expectations meet their frame),
-# and with what: no buffer, one of the payload's size, or one of the wrong size.
-_expectations = st.lists(st.tuples(st.integers(0, 9), st.sampled_from(["none", "right", "wrong"])), max_size=6)
+# with what (no buffer, one of the payload's size, or one of the wrong size), and whether by a
+# future or a Landing.
+_expectations = st.lists(
+    st.tuples(st.integers(0, 9), st.sampled_from(["none", "right", "wrong"]), st.booleans()), max_size=6
+)
 
 
-def _run(make, items, expectations, handler_mode, chunks, lowat, ingress) -> dict:
+def _run(make, items, expectations, handler_mode, chunks, lowat, ingress, landing_class=None) -> dict:
     loop = asyncio.new_event_loop()
     try:
         probe = make(loop, lowat=lowat, ingress=ingress)
         futures, intos, seen = [], [], set()
-        for index, mode in expectations:
+        for index, mode, by_landing in expectations:
             kind, key, clock, size, _, _ = items[index % len(items)]
             if (kind, key, clock) in seen or kind not in (Kind.DATA, Kind.PUSH):
                 continue
             seen.add((kind, key, clock))
             into = None if mode == "none" else bytearray(size if mode == "right" else size + 1)
             intos.append(into)
-            futures.append(probe.expect(kind, key, clock, into=into))
+            if by_landing and landing_class is not None:
+                calls: list = []
+                probe.expect(kind, key, clock, into=into, landing=landing_class(_record, calls))
+                futures.append(calls)  # the loop never runs here: a landing is called back at once
+            else:
+                futures.append(probe.expect(kind, key, clock, into=into))
         handled = []
         if handler_mode != "off":
 
@@ -162,7 +183,7 @@ def _run(make, items, expectations, handler_mode, chunks, lowat, ingress) -> dic
             )
         _feed(probe, b"".join(_frame_bytes(item) for item in items), chunks)
         return {
-            "futures": [_outcome(f) for f in futures],
+            "futures": [_landed(f) if isinstance(f, list) else _outcome(f) for f in futures],
             "intos": [None if into is None else bytes(into) for into in intos],
             "handled": handled,
             "inbox": [(f.header, bytes(f.payload)) for f in probe._inbox],
@@ -187,13 +208,48 @@ def _run(make, items, expectations, handler_mode, chunks, lowat, ingress) -> dic
 def test_every_core_delivers_what_the_pure_python_core_delivers(
     items, expectations, handler_mode, chunks, lowat, ingress
 ):
-    """Futures, into buffers, handler calls, inbox, control frames and the one-line error: equal."""
+    """Futures and landings, into buffers, handler calls, inbox, control frames and the one-line
+    error: equal."""
     results = {
-        name: _run(make, items, expectations, handler_mode, chunks, lowat, ingress) for name, make in CORES.items()
+        name: _run(make, items, expectations, handler_mode, chunks, lowat, ingress, LANDING_OF[name])
+        for name, make in CORES.items()
     }
     reference = results.pop("python/python")
     for name, result in results.items():
         assert result == reference, name
+
+
+def _record(calls: list, frame, exc) -> None:
+    calls.append((frame, exc))
+
+
+@pytest.mark.parametrize("name", sorted(CORES))
+def test_a_landing_is_called_back_on_the_receive_path_once_and_a_cancelled_one_never(name):
+    loop = asyncio.new_event_loop()
+    try:
+        probe, landing_class = CORES[name](loop), LANDING_OF[name]
+        landed, cancelled, early, lost = [], [], [], []
+        into = bytearray(4)
+        first = probe.expect(Kind.PUSH, 1, 1, into=into, landing=landing_class(_record, landed))
+        gone = probe.expect(Kind.PUSH, 2, 1, landing=landing_class(_record, cancelled))
+        assert gone.cancel() and not gone.cancel() and gone.cancelled() and gone.done()
+        _feed(
+            probe,
+            encode_frame(Kind.PUSH, b"abcd", key=1, clock=1) + encode_frame(Kind.PUSH, b"xy", key=2, clock=1),
+            [3],
+        )
+        (frame, exc), *more = landed  # within buffer_updated: the loop never ran
+        assert not more and exc is None and frame.payload.obj is into and into == b"abcd" and first.done()
+        assert cancelled == [] and [bytes(f.payload) for f in probe._inbox] == [b"xy"]  # as unexpected
+        probe.expect(Kind.PUSH, 2, 1, landing=landing_class(_record, early))  # in the inbox: at once
+        assert [bytes(f.payload) for f, _ in early] == [b"xy"] and not probe._inbox
+        waiting = probe.expect(Kind.PUSH, 3, 1, landing=landing_class(_record, lost))
+        probe._fail(RemoteProtocolError("rank 0 said stop"), "error")
+        [(none, exc)] = lost
+        assert none is None and type(exc).__name__ == "ConnectionLost" and waiting.exception() is exc
+        assert not probe._expected
+    finally:
+        loop.close()
 
 
 @pytest.mark.parametrize("name", sorted(CORES))

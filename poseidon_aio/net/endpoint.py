@@ -1,7 +1,8 @@
 """Receive-side bookkeeping shared by every kind of link: expectations, handler, inbox, failure.
 
-A frame that reaches an endpoint goes, in this order, to the future registered with
-:meth:`Endpoint.expect` for its ``(kind, key, clock)``, to the handler set with
+A frame that reaches an endpoint goes, in this order, to the future (or
+:class:`~poseidon_aio.net.receive.Landing`) registered with :meth:`Endpoint.expect` for its
+``(kind, key, clock)``, to the handler set with
 :meth:`Endpoint.set_handler` (if it takes that kind), or to an inbox read by :meth:`Endpoint.recv`
 and searched by later :meth:`Endpoint.expect` calls (a reply that beat its request).
 
@@ -99,12 +100,14 @@ class Endpoint:
         """Call ``callback(link)`` on the loop once the link is gone (``error`` says why)."""
         self._closed.add_done_callback(lambda _: callback(self))
 
-    def expect(self, kind: Kind, key: int, clock: int, into=None) -> asyncio.Future:
+    def expect(self, kind: Kind, key: int, clock: int, into=None, landing=None):
         """Claim the next frame ``(kind, key, clock)``; return a future of it.
 
         Args:
             into: optional writable buffer of exactly the payload's size: the payload is received
                 straight into it (zero copy), and the frame's ``payload`` is a view of it.
+            landing: a fresh :class:`~poseidon_aio.net.receive.Landing` to complete instead of a
+                future (returned): its callback runs on the receive path as the frame lands.
         Raises:
             LocalProtocolError: that frame is already expected.
 
@@ -113,11 +116,11 @@ class Endpoint:
         copied into ``into`` when claimed.
         """
         ident = (kind if type(kind) is Kind else Kind(kind), int(key), int(clock))  # (the enum's call is dear)
-        fut = self._loop.create_future()
         if ident in self._expected:
             raise LocalProtocolError(
                 f"frame {ident[0].name} key {key} clock {clock} from {self.where} is already expected"
             )
+        fut = self._loop.create_future() if landing is None else landing
         # A frame that arrived before the link ended is still delivered (a peer may send its last
         # frame and say GOODBYE before we ask for it).
         early = self._claim_from_inbox(ident)
@@ -129,7 +132,10 @@ class Endpoint:
             silence(fut)
             return fut
         self._expected[ident] = (fut, into)
-        fut.add_done_callback(functools.partial(self._forget, ident))
+        if landing is None:
+            fut.add_done_callback(functools.partial(self._forget, ident))
+        else:
+            landing._link, landing._ident = self, ident
         return fut
 
     def set_handler(
@@ -310,7 +316,7 @@ class Endpoint:
                 return frame
         return None
 
-    def _forget(self, ident: tuple, fut: asyncio.Future) -> None:
+    def _forget(self, ident: tuple, fut) -> None:
         # A cancelled expectation must not swallow the frame (or write into a buffer) later.
         entry = self._expected.get(ident)
         if entry is not None and entry[0] is fut:

@@ -4,7 +4,7 @@ Per read the event loop calls ``get_buffer`` and ``buffer_updated``. The core dr
 :class:`~poseidon_aio.wire.FrameDecoder`, counts bytes and frames, notes when bytes last came,
 judges each header as it arrives (where its payload lands, whether it fits the memory budget),
 follows a large payload with the socket's receive mark, and hands each complete frame to the
-future that expects it. The compiled twin in ``_ext/receive.pyx`` (``poseidon_aio.net._creceive``)
+future (or :class:`Landing`) that expects it. The compiled twin in ``_ext/receive.pyx`` (``poseidon_aio.net._creceive``)
 has the same contract, the same errors and one shared test suite; it does this work in C and calls
 Python only for what is rare or policy. :mod:`poseidon_aio.net.core` picks one.
 
@@ -131,6 +131,62 @@ class ReceiveCore:
         if not own or self._exc is not None or self._inbox_bytes + own <= self._memory_budget:
             return
         self._fail(over_budget(self, own), "error")
+
+
+class Landing:
+    """An expectation that calls back on the receive path itself: no future, no pass of the loop.
+
+    :meth:`Endpoint.expect <poseidon_aio.net.endpoint.Endpoint.expect>` takes one in place of the
+    future it would make, and the receive path completes it as it would that future; then
+    ``callback(tag, frame, None)`` runs at once (``callback(tag, None, error)`` where the link
+    ends first), at most once. An all-reduce's chunk is summed and sent on from there, as gloo's
+    C++ does, where a future would cost its callbacks a pass of the loop each. Where the frame is
+    already in the inbox, the callback runs inside ``expect``. It must not raise: the receive path
+    would end the link for it.
+    """
+
+    __slots__ = ("_callback", "_tag", "_done", "_cancelled", "_exc", "_link", "_ident")
+
+    def __init__(self, callback, tag=None) -> None:
+        self._callback = callback
+        self._tag = tag
+        self._done = False
+        self._cancelled = False
+        self._exc = None
+        self._link = None  # where it is registered, set by expect(): cancel() takes it back
+        self._ident = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def exception(self):
+        return self._exc
+
+    def set_result(self, frame) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._callback(self._tag, frame, None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._exc = exc
+        self._callback(self._tag, None, exc)
+
+    def cancel(self) -> bool:
+        """Give it up without a call back; its frame, if it comes, goes where an unexpected one
+        would."""
+        if self._done:
+            return False
+        self._done = self._cancelled = True
+        if self._link is not None:
+            self._link._forget(self._ident, self)
+        return True
 
 
 # -- the errors both cores raise ---------------------------------------------------------------

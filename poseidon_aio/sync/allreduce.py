@@ -36,13 +36,13 @@ Frame keys: ``(first layer of the bucket) << 16 | chunk`` (direct), ``| chunk * 
 from __future__ import annotations
 
 import asyncio
-import functools
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from ..errors import ConfigError, ConnectionLost, SyncTimeout
+from ..net.core import Landing
 from ..plan.cost import ALLREDUCE_ALGORITHMS, Scheme, goes_round_ring
 from ..wire import Kind, byte_view
 from ..wire.spans import spanning
@@ -174,10 +174,12 @@ class AllReduceSyncer(Syncer):
 
 class _InFlight:
     """One all-reduce in flight, driven by callbacks as the PS client's pushes are: a frame goes
-    out at once where it can (``try_send``; else a send task), each receive's arrival runs the next
-    piece of work, the sync's future is settled when nothing is left, and one timer bounds the
-    whole. A task and a ``wait_for`` per chunk and step cost the loop more than a small bucket's
-    bytes take to move."""
+    out at once where it can (``try_send``; else a send task), each receive is a
+    :class:`~poseidon_aio.net.receive.Landing` whose arrival runs the next piece of work on the
+    receive path (a chunk summed and sent on, or landed), the sync's future is settled when
+    nothing is left, and one timer bounds the whole. A task and a ``wait_for`` per chunk and step
+    cost the loop more than a small bucket's bytes take to move, and a future's callbacks a pass of
+    the loop each."""
 
     __slots__ = (
         "syncer",
@@ -203,17 +205,18 @@ class _InFlight:
         self.grads, self.outs, self.dtype, self.wire = grads, outs, dtype, wire
         self.base = bucket.layers[0] * CHUNKS_PER_LAYER
         self.future = asyncio.get_running_loop().create_future()
-        self.parts: dict = {}  # -> (future, buffer): the parts this rank sums
-        self.gathers: dict = {}  # -> (future, landing, pieces): the means this rank lands
-        self.left = 0  # pieces of work not yet done (each subclass's), plus sends under way
+        self.parts: dict = {}  # -> (Landing, buffer): the parts this rank sums
+        self.gathers: dict = {}  # -> (Landing, into, pieces): the means this rank lands
+        # Pieces of work not yet done (each subclass's), plus sends under way, plus one while
+        # start() registers them: a frame already in the inbox lands inside expect().
+        self.left = 1
         self.tasks: list = []
         self.timer = None
         self.sent = 0
 
     def _armed(self) -> asyncio.Future:
         self.future.add_done_callback(self._ended)
-        if not self.left and not self.future.done():  # nothing to move (an empty bucket)
-            self.future.set_result(SyncResult(self.sent, self._received()))
+        self._count_down()  # start()'s own: settled here where nothing was left to move
         if not self.future.done():
             self.timer = self.future.get_loop().call_later(self.syncer._timeout, self._timed_out)
         return self.future
@@ -245,14 +248,26 @@ class _InFlight:
         if not self.left and not self.future.done():
             self.future.set_result(SyncResult(self.sent, self._received()))
 
-    def _run(self, work, *args) -> None:
+    def _landing(self, work, tag) -> Landing:
+        """A receive whose arrival runs ``work(tag)``; stored before ``expect`` registers it, as
+        a frame already in the inbox lands inside ``expect``."""
+        return Landing(self._landed, (work, tag))
+
+    def _landed(self, todo: tuple, frame, exc) -> None:
+        # On the receive path (or in expect): nothing may escape to the link that delivered it.
+        if self.future.done():
+            return
+        if exc is not None:
+            self._fail(exc)
+            return
+        work, tag = todo
         try:
-            work(*args)
+            work(tag)
         except Exception as exc:  # noqa: BLE001 - a bug here must end the sync, not leave it to time out
             self._fail(exc)
 
     def _failed(self, fut: asyncio.Future) -> bool:
-        """Whether the sync is over (settled before, or ended now by ``fut``'s failure)."""
+        """Whether the sync is over (settled before, or ended now by send task ``fut``'s failure)."""
         exc = None if fut.cancelled() else fut.exception()  # retrieved, even where it is no news
         if self.future.done():
             return True
@@ -313,20 +328,17 @@ class _Direct(_InFlight):
         # Every receive is registered before anything is sent: a part that beats its expect would
         # be copied once more out of the inbox.
         for c, (owner, start, stop) in enumerate(layout.chunks):
+            self.left += 1
             if owner == rank:
+                self.missing[c] = len(syncer._peers)
                 for q, conn in syncer._peers.items():
                     buf = syncer._take((stop - start,), self.dtype)
-                    self.parts[(c, q)] = (conn.expect(Kind.PUSH, self.base + c, self.clock, into=buf), buf)
-                self.missing[c] = len(syncer._peers)
+                    self.parts[(c, q)] = (landing := self._landing(self._part_in, c), buf)
+                    conn.expect(Kind.PUSH, self.base + c, self.clock, into=buf, landing=landing)
             else:
                 into, pieces = syncer._landing(layout, self.outs, start, stop, self.dtype)
-                wait = syncer._peers[owner].expect(Kind.AGGREGATE, self.base + c, self.clock, into=into)
-                self.gathers[c] = (wait, into, pieces)
-            self.left += 1
-        for (c, _), (wait, _) in self.parts.items():
-            wait.add_done_callback(functools.partial(self._part_in, c))
-        for c, (wait, _, _) in self.gathers.items():
-            wait.add_done_callback(functools.partial(self._mean_in, c))
+                self.gathers[c] = (landing := self._landing(self._mean_in, c), into, pieces)
+                syncer._peers[owner].expect(Kind.AGGREGATE, self.base + c, self.clock, into=into, landing=landing)
         for c, (owner, start, stop) in enumerate(layout.chunks):
             if owner != rank:
                 payload = [self.grads[i][lo:hi] for i, lo, hi in layout.pieces(start, stop)]
@@ -335,12 +347,10 @@ class _Direct(_InFlight):
                 )
         return self._armed()
 
-    def _part_in(self, c: int, fut: asyncio.Future) -> None:
-        if self._failed(fut):
-            return
+    def _part_in(self, c: int) -> None:
         self.missing[c] -= 1
         if not self.missing[c]:
-            self._run(self._reduce, c)
+            self._reduce(c)
 
     def _reduce(self, c: int) -> None:
         """Every peer's part of owned chunk ``c`` is in: sum in rank order (the same bits whatever
@@ -359,12 +369,10 @@ class _Direct(_InFlight):
             self._send(conn, Kind.AGGREGATE, total, self.base + c, total.nbytes)
         self._count_down()
 
-    def _mean_in(self, c: int, fut: asyncio.Future) -> None:
-        if self._failed(fut):
-            return
+    def _mean_in(self, c: int) -> None:
         _, into, pieces = self.gathers[c]
         if pieces is not None:  # a chunk across arrays: scatter it
-            self._run(scatter, into, self.outs, pieces)
+            scatter(into, self.outs, pieces)
         self._count_down()
 
     def _received(self) -> int:
@@ -390,9 +398,9 @@ class _Direct(_InFlight):
 class _Ring(_InFlight):
     """The ring algorithm: each chunk walks the ring on its own, a step as its part lands: P - 1
     reduce-scatter steps (add this rank's slice, send the sum on), the owner's mean, P - 1
-    all-gather steps (land it, send it on); settled as every chunk's last step is done."""
+    all-gather steps (land it, send it on); settled as every step of every chunk is done."""
 
-    __slots__ = ("ring", "at")
+    __slots__ = ("ring",)
 
     def __init__(self, syncer, bucket, clock, layout, ring, grads, outs, dtype, wire) -> None:
         super().__init__(syncer, bucket, clock, layout, grads, outs, dtype, wire)
@@ -408,71 +416,60 @@ class _Ring(_InFlight):
         prev = syncer._peers[(r - 1) % P]
         # Every receive registered before anything is sent (see _Direct.start). At step s rank r
         # gets slice r - s - 1 (reduce-scatter) and slice r - s (all-gather) from rank r - 1.
-        # parts and gathers: (chunk, step) -> that step's reduce-scatter part and all-gather mean
-        self.at: list = [("reduce-scatter", 0)] * len(ring)  # where each chunk's walk waits
+        # parts and gathers: (chunk, step) -> that step's reduce-scatter part and all-gather mean.
+        # Each is work of its own, whatever the order they land in (a rank that started late sends
+        # its sums before its own parts): the walk is done when all of them are.
         for c, slices in enumerate(ring):
             key = self.base + c * steps
+            self.left += 2 * steps
             for s in range(steps):
                 start, stop = slices[(r - s - 1) % P]
                 buf = syncer._take((stop - start,), self.dtype)
-                self.parts[(c, s)] = (prev.expect(Kind.PUSH, key + s, self.clock, into=buf), buf)
+                self.parts[(c, s)] = (landing := self._landing(self._reduce_step, (c, s)), buf)
+                prev.expect(Kind.PUSH, key + s, self.clock, into=buf, landing=landing)
                 start, stop = slices[(r - s) % P]
                 into, pieces = syncer._landing(self.layout, self.outs, start, stop, self.dtype)
-                self.gathers[(c, s)] = (prev.expect(Kind.AGGREGATE, key + s, self.clock, into=into), into, pieces)
-            self.left += 1
+                self.gathers[(c, s)] = (landing := self._landing(self._gather_step, (c, s)), into, pieces)
+                prev.expect(Kind.AGGREGATE, key + s, self.clock, into=into, landing=landing)
         nxt = syncer._peers[(r + 1) % P]
         for c, slices in enumerate(ring):
             start, stop = slices[r]
             payload = [self.grads[i][lo:hi] for i, lo, hi in self.layout.pieces(start, stop)]
             self._send(nxt, Kind.PUSH, payload, self.base + c * steps, (stop - start) * self.dtype.itemsize)
-            self.parts[(c, 0)][0].add_done_callback(functools.partial(self._part_in, c, 0))
         return self._armed()
 
-    def _part_in(self, c: int, s: int, fut: asyncio.Future) -> None:
-        if not self._failed(fut):
-            self._run(self._reduce_step, c, s)
-
-    def _reduce_step(self, c: int, s: int) -> None:
+    def _reduce_step(self, at: tuple) -> None:
+        c, s = at
         syncer, slices = self.syncer, self.ring[c]
         P, r, steps = syncer.world, syncer.rank, syncer.world - 1
         nxt, key = syncer._peers[(r + 1) % P], self.base + c * steps
-        acc = self.parts[(c, s)][1]
+        acc = self.parts[at][1]
         add_into(acc, self.grads, self.layout.pieces(*slices[(r - s - 1) % P]))
         if s < steps - 1:
             self._send(nxt, Kind.PUSH, acc, key + s + 1, acc.nbytes)
-            self.at[c] = ("reduce-scatter", s + 1)
-            self.parts[(c, s + 1)][0].add_done_callback(functools.partial(self._part_in, c, s + 1))
-            return
-        # acc is now the sum of slice r + 1's chunk c over every rank: this rank owns it.
-        np.divide(acc, acc.dtype.type(P), out=acc)
-        scatter(acc, self.outs, self.layout.pieces(*slices[(r + 1) % P]))
-        self._send(nxt, Kind.AGGREGATE, acc, key, acc.nbytes)
-        self.at[c] = ("all-gather", 0)
-        self.gathers[(c, 0)][0].add_done_callback(functools.partial(self._mean_in, c, 0))
+        else:  # acc is now the sum of slice r + 1's chunk c over every rank: this rank owns it
+            np.divide(acc, acc.dtype.type(P), out=acc)
+            scatter(acc, self.outs, self.layout.pieces(*slices[(r + 1) % P]))
+            self._send(nxt, Kind.AGGREGATE, acc, key, acc.nbytes)
+        self._count_down()
 
-    def _mean_in(self, c: int, s: int, fut: asyncio.Future) -> None:
-        if not self._failed(fut):
-            self._run(self._gather_step, c, s)
-
-    def _gather_step(self, c: int, s: int) -> None:
+    def _gather_step(self, at: tuple) -> None:
+        c, s = at
         syncer = self.syncer
         r, steps = syncer.rank, syncer.world - 1
-        _, into, pieces = self.gathers[(c, s)]
+        _, into, pieces = self.gathers[at]
         if pieces is not None:  # a chunk across arrays: scatter it
             scatter(into, self.outs, pieces)
         if s < steps - 1:
             nxt = syncer._peers[(r + 1) % syncer.world]
             self._send(nxt, Kind.AGGREGATE, into, self.base + c * steps + s + 1, into.nbytes)
-            self.at[c] = ("all-gather", s + 1)
-            self.gathers[(c, s + 1)][0].add_done_callback(functools.partial(self._mean_in, c, s + 1))
-            return
-        self.at[c] = None
         self._count_down()
 
     def _received(self) -> int:
         # Sent payloads are not copied (Connection.send): a buffer goes back to the pool only
         # once the peer surely has it. A reduce-scatter part has reached rank + 1 when every
-        # all-gather step of its chunk is back here (its sum went on round the ring); what this
+        # all-gather step of its chunk is back here (its slice's sum, which it went into, came
+        # round the ring as that slice's mean, whatever order the steps landed in); what this
         # rank sent in the all-gather has no such echo, so those buffers are left to the collector.
         syncer, steps, received = self.syncer, self.syncer.world - 1, 0
         for (c, s), (_, buf) in self.parts.items():
@@ -487,11 +484,11 @@ class _Ring(_InFlight):
 
     def _late(self) -> SyncTimeout:
         syncer = self.syncer
-        waiting = [(c, at) for c, at in enumerate(self.at) if at is not None]
-        if waiting:
-            c, (phase, s) = waiting[0]
-            prev = syncer._ranks[(syncer.rank - 1) % syncer.world]
-            what, late = f"{phase} step {s} of chunk {c} from rank {prev}", []
-        else:
-            what, late = "sending its parts", []
-        return syncer._timeout_error(self.bucket, self.clock, what, late)
+        prev = syncer._ranks[(syncer.rank - 1) % syncer.world]
+        for phase, waits in (("reduce-scatter", self.parts), ("all-gather", self.gathers)):
+            for (c, s), entry in waits.items():
+                if not entry[0].done():
+                    return syncer._timeout_error(
+                        self.bucket, self.clock, f"{phase} step {s} of chunk {c} from rank {prev}", []
+                    )
+        return syncer._timeout_error(self.bucket, self.clock, "sending its parts", [])
