@@ -160,33 +160,27 @@ class _Sync:
         client._failure.add_done_callback(self._failed)
         self.timer = client._loop.call_later(client.config.sync_timeout, self._timed_out)
         self.future.add_done_callback(self._given_up)
-        self.left -= 1  # its own
-        if not self.left:
-            self._finish(None)
+        self._one_in(None)  # its own
         return self.future
 
     def _landed(self, _, frame, exc) -> None:
         # On the receive path (or in expect): nothing may escape to the link that delivered it.
-        if self.future.done():
-            return
         try:
-            if exc is not None:
-                self._finish(exc)
-                return
-            self.left -= 1
-            if not self.left:
-                self._finish(None)
+            self._one_in(exc)
         except Exception as bug:  # noqa: BLE001 - the push's future says it, not the link
             if not self.future.done():
                 self.future.set_exception(bug)
 
     def _part_done(self, fut: asyncio.Future) -> None:
-        if self.future.done():
-            return
-        if fut.cancelled():
+        if fut.cancelled() and not self.future.done():
             self._finish(ConnectionLost(f"rank {self.client.rank}: {self.what} was given up"))
             return
-        exc = fut.exception()
+        self._one_in(None if fut.cancelled() else fut.exception())
+
+    def _one_in(self, exc) -> None:
+        """A part is done (a reply landed, a send went), or failed with ``exc``."""
+        if self.future.done():
+            return
         if exc is not None:
             self._finish(exc)
             return
