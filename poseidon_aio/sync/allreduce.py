@@ -248,12 +248,10 @@ class _InFlight:
         if not self.left and not self.future.done():
             self.future.set_result(SyncResult(self.sent, self._received()))
 
-    def _landing(self, work, tag) -> Landing:
-        """A receive whose arrival runs ``work(tag)``; stored before ``expect`` registers it, as
-        a frame already in the inbox lands inside ``expect``."""
-        return Landing(self._landed, (work, tag))
-
     def _landed(self, todo: tuple, frame, exc) -> None:
+        """A receive's callback (``Landing(self._landed, (work, tag))``): ``work(tag)`` runs as
+        it lands. Each landing is stored before ``expect`` registers it, as a frame already in the
+        inbox lands inside ``expect``."""
         # On the receive path (or in expect): nothing may escape to the link that delivered it.
         if self.future.done():
             return
@@ -333,11 +331,11 @@ class _Direct(_InFlight):
                 self.missing[c] = len(syncer._peers)
                 for q, conn in syncer._peers.items():
                     buf = syncer._take((stop - start,), self.dtype)
-                    self.parts[(c, q)] = (landing := self._landing(self._part_in, c), buf)
+                    self.parts[(c, q)] = (landing := Landing(self._landed, (self._part_in, c)), buf)
                     conn.expect(Kind.PUSH, self.base + c, self.clock, into=buf, landing=landing)
             else:
                 into, pieces = syncer._landing(layout, self.outs, start, stop, self.dtype)
-                self.gathers[c] = (landing := self._landing(self._mean_in, c), into, pieces)
+                self.gathers[c] = (landing := Landing(self._landed, (self._mean_in, c)), into, pieces)
                 syncer._peers[owner].expect(Kind.AGGREGATE, self.base + c, self.clock, into=into, landing=landing)
         for c, (owner, start, stop) in enumerate(layout.chunks):
             if owner != rank:
@@ -425,11 +423,11 @@ class _Ring(_InFlight):
             for s in range(steps):
                 start, stop = slices[(r - s - 1) % P]
                 buf = syncer._take((stop - start,), self.dtype)
-                self.parts[(c, s)] = (landing := self._landing(self._reduce_step, (c, s)), buf)
+                self.parts[(c, s)] = (landing := Landing(self._landed, (self._reduce_step, (c, s))), buf)
                 prev.expect(Kind.PUSH, key + s, self.clock, into=buf, landing=landing)
                 start, stop = slices[(r - s) % P]
                 into, pieces = syncer._landing(self.layout, self.outs, start, stop, self.dtype)
-                self.gathers[(c, s)] = (landing := self._landing(self._gather_step, (c, s)), into, pieces)
+                self.gathers[(c, s)] = (landing := Landing(self._landed, (self._gather_step, (c, s))), into, pieces)
                 prev.expect(Kind.AGGREGATE, key + s, self.clock, into=into, landing=landing)
         nxt = syncer._peers[(r + 1) % P]
         for c, slices in enumerate(ring):
