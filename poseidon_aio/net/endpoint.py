@@ -2,9 +2,9 @@
 
 A frame that reaches an endpoint goes, in this order, to the future (or
 :class:`~poseidon_aio.net.receive.Landing`) registered with :meth:`Endpoint.expect` for its
-``(kind, key, clock)``, to the handler set with
-:meth:`Endpoint.set_handler` (if it takes that kind), or to an inbox read by :meth:`Endpoint.recv`
-and searched by later :meth:`Endpoint.expect` calls (a reply that beat its request).
+``(kind, key, clock)``, to the handler set with :meth:`Endpoint.set_handler` (if it takes that
+kind), or to an inbox read by :meth:`Endpoint.recv` and searched by later :meth:`Endpoint.expect`
+calls (a reply that beat its request).
 
 The handler's ``limit`` and ``allocate`` hooks judge a frame by its header, before its payload
 arrives: a frame over its limit, or one the hooks refuse by raising, ends the link at once.

@@ -4,9 +4,10 @@ Per read the event loop calls ``get_buffer`` and ``buffer_updated``. The core dr
 :class:`~poseidon_aio.wire.FrameDecoder`, counts bytes and frames, notes when bytes last came,
 judges each header as it arrives (where its payload lands, whether it fits the memory budget),
 follows a large payload with the socket's receive mark, and hands each complete frame to the
-future (or :class:`Landing`) that expects it. The compiled twin in ``_ext/receive.pyx`` (``poseidon_aio.net._creceive``)
-has the same contract, the same errors and one shared test suite; it does this work in C and calls
-Python only for what is rare or policy. :mod:`poseidon_aio.net.core` picks one.
+future (or :class:`Landing`) that expects it. The compiled twin in ``_ext/receive.pyx``
+(``poseidon_aio.net._creceive``) has the same contract, the same errors and one shared test suite;
+it does this work in C and calls Python only for what is rare or policy.
+:mod:`poseidon_aio.net.core` picks one.
 
 A class built on a core (:class:`~poseidon_aio.net.connection.Connection`) is also an
 :class:`~poseidon_aio.net.endpoint.Endpoint`, whose ``_allocate``, ``_to_handler``, ``_to_inbox``,
