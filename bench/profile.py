@@ -1,4 +1,4 @@
-"""Where a rank's CPU goes: py-spy sampling a worker over its timed steps, and the table of it.
+"""Where a rank's CPU goes: py-spy or perf sampling a worker over its timed steps, and the table of it.
 
 ``bench train --profile DIR`` starts ``py-spy record`` on each of its ranks at the first timed step
 (attached to the worker's own pid) and stops it after the last. py-spy samples every thread,
@@ -7,6 +7,11 @@ shares are the shares of the rank's CPU time.
 ``python -m bench profile DIR`` reads those raw stacks and prints, per run, the CPU a step and rank
 by where the innermost Python frame is and by thread (gloo's C++ threads have no Python frame:
 DDP's CPU is only in bench train's CPU column).
+
+With ``--sampler perf`` it is ``perf record`` instead, which samples only threads on a core, in
+the kernel too, and each sample says which library's code ran: the table's rows are then the
+libraries (CPython's interpreter, the kernel, torch with gloo inside it, uvloop, ...), for DDP's
+threads as for ours.
 """
 
 from __future__ import annotations
@@ -24,25 +29,33 @@ import sys
 import threading
 
 RATE = 100  # samples a second: each pauses the process (--native)
+PERF_RATE = 999  # perf's samples a second on a core (an interrupt each, no pause)
 
 
 class Sampler:
-    """``py-spy record`` on this process from :meth:`start` to :meth:`stop`; raw stacks to ``path``."""
+    """``py-spy record`` (or ``perf record``: ``tool="perf"``) on this process from :meth:`start`
+    to :meth:`stop`; raw stacks to ``path`` (perf's: a line a thread and library, to ``path``
+    with ``.perf`` for ``.txt``)."""
 
-    def __init__(self, path: str, native: bool = True) -> None:
-        self.path = path
+    def __init__(self, path: str, native: bool = True, tool: str = "py-spy") -> None:
+        self.tool = tool
+        self.path = path if tool == "py-spy" else path.removesuffix(".txt") + ".perf"
         self.native = native
         self._proc = None
 
     def start(self) -> None:
-        spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
-        if spy is None:
-            raise SystemExit("bench train --profile needs py-spy (pip install py-spy)")
-        # Native frames (uvloop's and torch's C) need the process paused at each sample; without
-        # them (--nonblocking) a loop thread's stacks come torn, its time in C unattributed.
-        how = ["--native"] if self.native else ["--nonblocking"]
-        command = [spy, "record", "--pid", str(os.getpid()), "--threads", *how]
-        command += ["--rate", str(RATE), "--format", "raw", "-o", self.path]
+        found = shutil.which(self.tool, path=os.path.dirname(sys.executable)) or shutil.which(self.tool)
+        if found is None:
+            raise SystemExit(f"bench train --profile needs {self.tool} (py-spy: pip install py-spy; perf: linux-tools)")
+        if self.tool == "perf":
+            command = [found, "record", "-F", str(PERF_RATE), "-p", str(os.getpid()), "-o", self.path + ".data"]
+        else:
+            # Native frames (uvloop's and torch's C) need the process paused at each sample;
+            # without them (--nonblocking) a loop thread's stacks come torn, its time in C
+            # unattributed.
+            how = ["--native"] if self.native else ["--nonblocking"]
+            command = [found, "record", "--pid", str(os.getpid()), "--threads", *how]
+            command += ["--rate", str(RATE), "--format", "raw", "-o", self.path]
         self._cpu0, self._io0 = thread_cpu(), io_calls()
         self._proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -50,7 +63,7 @@ class Sampler:
         if self._proc is None:
             return
         cpu, io = thread_cpu(), io_calls()
-        self._proc.send_signal(signal.SIGINT)  # py-spy writes what it has and exits
+        self._proc.send_signal(signal.SIGINT)  # py-spy and perf write what they have and exit
         try:
             self._proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -58,6 +71,28 @@ class Sampler:
         spent = {kind: seconds for kind, (seconds, _) in cpu_by_kind(self._cpu0, cpu).items()}
         with open(self.path + ".cpu.json", "w") as f:
             json.dump({**spent, "syscalls": {k: io[k] - self._io0[k] for k in io}}, f)
+        if self.tool == "perf":
+            names = {tid: name for tid, (name, _, _) in {**self._cpu0, **cpu}.items()}
+            script = subprocess.run(
+                ["perf", "script", "-i", self.path + ".data", "-F", "tid,ip,dso"],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            with open(self.path, "w") as f:
+                f.writelines(perf_lines(script.stdout, names))
+            os.remove(self.path + ".data")
+
+
+def perf_lines(script: str, names: dict) -> list:
+    """``perf script -F tid,ip,dso`` output as ``thread (tid): name;library count`` lines, a line
+    a thread and shared object (``names``: ``{tid: thread name}``)."""
+    counts: collections.Counter = collections.Counter()
+    for line in script.splitlines():
+        got = re.match(r"\s*(\d+)\s+[0-9a-f]+\s+\((.*)\)\s*$", line)
+        if got:
+            counts[(int(got.group(1)), got.group(2))] += 1
+    return [f"thread ({tid}): {names.get(tid, tid)};{dso} {n}\n" for (tid, dso), n in sorted(counts.items())]
 
 
 def io_calls() -> dict:
@@ -144,6 +179,39 @@ IDLE = re.compile(
 )
 
 
+# perf's samples by the shared object whose code ran, first match wins.
+LIBRARIES = [
+    ("CPython's interpreter (libpython)", r"libpython"),
+    ("the kernel (system calls, TCP, softirqs)", r"kernel"),
+    ("torch's C++ (gloo is in it)", r"libtorch|libc10|libgloo"),
+    ("uvloop", r"uvloop"),
+    ("NumPy", r"numpy"),
+    ("our compiled parts (codec, receive core, tally)", r"poseidon_aio"),
+    ("crc32c", r"crc32c"),
+    ("libc, the C++ runtime, the loader", r"libc\.so|libstdc\+\+|ld-linux|libm\.so|libgomp|vdso|libpthread"),
+]
+
+
+def library(dso: str) -> str:
+    for what, pattern in LIBRARIES:
+        if re.search(pattern, dso):
+            return what
+    return "other"
+
+
+def read_libraries(path: str) -> collections.Counter:
+    """``Counter((thread kind, library): samples)`` of one :func:`perf_lines` file."""
+    samples: collections.Counter = collections.Counter()
+    with open(path) as f:
+        for line in f:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            thread, _, dso = stack.partition(";")
+            if not count.isdigit() or not thread.startswith("thread "):
+                continue
+            samples[(thread_kind(thread.partition(": ")[2]), library(dso))] += int(count)
+    return samples
+
+
 def idle(frames: list) -> bool:
     """Whether one sampled stack (outermost frame first) is a thread waiting, off the CPU."""
     return any(IDLE.search(f) for f in frames[-4:])
@@ -200,7 +268,7 @@ def cells_of(paths: list, steps: int) -> tuple:
     spent: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
     for path in paths:
-        samples.update(read(path))
+        samples.update(read_libraries(path) if path.endswith(".perf") else read(path))
         with open(path + ".cpu.json") as f:
             got = json.load(f)
         calls.update(got.pop("syscalls", {}))
@@ -210,7 +278,9 @@ def cells_of(paths: list, steps: int) -> tuple:
     for thread, seconds in spent.items():
         mine = {p: n for (t, p), n in samples.items() if t == thread}
         if not mine:  # never sampled: gloo's and torch's own threads when not --native
-            mine = {"C with no Python frame (uvloop, gloo, torch threads)": 1}
+            mine = {
+                "other" if paths[0].endswith(".perf") else "C with no Python frame (uvloop, gloo, torch threads)": 1
+            }
         for p, n in mine.items():
             out[(thread, p)] += seconds * n / sum(mine.values()) * scale
     return out, calls
@@ -250,11 +320,15 @@ def by_run(runs: dict) -> str:
         for (_, p), v in got.items():
             by_place[run][p] += v
     places = sorted({p for c in by_place.values() for p in c}, key=lambda p: -sum(c[p] for c in by_place.values()))
-    names = [re.sub(r"^[^-]+-|-\d+steps$", "", run) for run in cols]  # an impl's name has no "-"
+    names = [re.sub(r"^[^-]+-|-\d+steps(\.perf)?$", "", run) for run in cols]  # an impl's name has no "-"
     lines = ["| where | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for p in places:
         lines.append(f"| {p} | " + " | ".join(f"{by_place[run][p]:.2f}" for run in cols) + " |")
     lines.append("| **all** | " + " | ".join(f"**{sum(by_place[run].values()):.2f}**" for run in cols) + " |")
+    interpreter = LIBRARIES[0][0]
+    if any(interpreter in c for c in by_place.values()):  # perf's: the floor, were the loop's Python all compiled
+        rest = [sum(by_place[run].values()) - cols[run].get(("loop", interpreter), 0.0) for run in cols]
+        lines.append("| all but the loop's interpreter | " + " | ".join(f"{x:.2f}" for x in rest) + " |")
     ddp = []
     for run in cols:
         twin = re.sub(r"^[^-]+-", "ddp-", run)  # a variant too: poseidon_merge=none-...
@@ -264,7 +338,7 @@ def by_run(runs: dict) -> str:
 
 
 def _steps(run: str) -> int:
-    return int(re.search(r"-(\d+)steps$", run).group(1))
+    return int(re.search(r"-(\d+)steps(\.perf)?$", run).group(1))
 
 
 def main(argv=None) -> None:
@@ -275,8 +349,11 @@ def main(argv=None) -> None:
     )
     args = parser.parse_args(argv)
     runs = collections.defaultdict(list)
-    for path in sorted(glob.glob(os.path.join(args.dir, "*-rank*.txt"))):
-        runs[re.sub(r"-rank\d+\.txt$", "", os.path.basename(path))].append(path)
+    for path in sorted(
+        glob.glob(os.path.join(args.dir, "*-rank*.txt")) + glob.glob(os.path.join(args.dir, "*-rank*.perf"))
+    ):
+        name = os.path.basename(path)  # (perf's runs keep their suffix: a folder may hold both)
+        runs[re.sub(r"-rank\d+\.txt$", "", re.sub(r"-rank\d+(\.perf)$", r"\1", name))].append(path)
     if args.by_run:
         print(f"ms of CPU a step and rank, sampled\n\n{by_run(runs)}")
         return

@@ -93,7 +93,8 @@ def worker(cfg: dict) -> None:
 
         run = f"{cfg['impl']}-{cfg['model']}-{cfg['link']}-{cfg['compute']}-{cfg['world']}w-{cfg['steps']}steps"
         run = run.replace(":", "_")
-        sampler = Sampler(os.path.join(cfg["profile"], f"{run}-rank{cfg['rank']}.txt"), native=cfg.get("native"))
+        path = os.path.join(cfg["profile"], f"{run}-rank{cfg['rank']}.txt")
+        sampler = Sampler(path, native=cfg.get("native"), tool=cfg.get("sampler", "py-spy"))
 
     from bench.profile import cpu_by_kind, thread_cpu
 
@@ -252,6 +253,7 @@ def run_config(impl: str, model: str, world: int, link: str, compute: str, args,
         link=link,
         profile=args.profile and os.path.abspath(args.profile),
         native=not os.environ.get("BENCH_PROFILE_NONBLOCKING"),
+        sampler=args.sampler,
     )
     ranks = launch(
         "bench.train",
@@ -344,6 +346,12 @@ def main(argv=None) -> dict:
     )
     parser.add_argument(
         "--profile", default=None, help="folder: py-spy samples every rank over its timed steps (bench/profile.py)"
+    )
+    parser.add_argument(
+        "--sampler",
+        default="py-spy",
+        choices=("py-spy", "perf"),
+        help="--profile's: py-spy (by Python frame) or perf (by library, the kernel's and gloo's too)",
     )
     args = parser.parse_args(argv)
     if args.profile:

@@ -89,3 +89,38 @@ def test_by_run_puts_ddps_total_under_a_variant_of_ours_too(tmp_path):
     lines = profile.by_run(runs).splitlines()
     assert lines[0] == "| where | resnet-1gbit-replayed-2w |"
     assert lines[-2] == "| **all** | **5.00** |" and lines[-1] == "| DDP's, all | 2.00 |"
+
+
+def test_perf_samples_by_library_and_the_floor_without_the_loops_interpreter(tmp_path):
+    script = "\n".join(
+        [
+            "   11  7f2560 (/venv/lib/python3.11/site-packages/uvloop/loop.cpython-311-x86_64-linux-gnu.so)",
+            "   11  7f2561 (/usr/lib/libpython3.11.so.1.0)",
+            "   11  7f2562 (/usr/lib/libpython3.11.so.1.0)",
+            "   11  ffffffff81b6 ([kernel.kallsyms])",
+            "   12  7f2563 (/venv/lib/python3.11/site-packages/torch/lib/libtorch_cpu.so)",
+            "   12  7f2564 (/venv/lib/python3.11/site-packages/poseidon_aio/net/_creceive.cpython-311.so)",
+            "not a sample",
+        ]
+    )
+    lines = profile.perf_lines(script, {11: "poseidon-loop", 12: "MainThread"})
+    assert len(lines) == 5 and lines[0].endswith("libpython3.11.so.1.0 2\n")
+    run = "poseidon-cnn-100mbit-replayed-2w-10steps.perf"
+    path = tmp_path / "poseidon-cnn-100mbit-replayed-2w-10steps-rank0.perf"
+    path.write_text("".join(lines) + "garbage\n")
+    (tmp_path / f"{path.name}.cpu.json").write_text(json.dumps({"loop": 0.04, "main": 0.02, "syscalls": {}}))
+    got = profile.read_libraries(str(path))
+    assert got[("loop", "CPython's interpreter (libpython)")] == 2 and got[("loop", "uvloop")] == 1
+    assert got[("main", "our compiled parts (codec, receive core, tally)")] == 1 and sum(got.values()) == 6
+    ddp = tmp_path / "ddp-cnn-100mbit-replayed-2w-10steps-rank0.perf"
+    ddp.write_text("thread (13): gloo_tcp_loop;[kernel.kallsyms] 3\n")
+    (tmp_path / f"{ddp.name}.cpu.json").write_text(json.dumps({"gloo": 0.03}))
+    lines = profile.by_run({run: [str(path)], "ddp-cnn-100mbit-replayed-2w-10steps.perf": [str(ddp)]}).splitlines()
+    assert lines[0] == "| where | cnn-100mbit-replayed-2w |"
+    # the loop's 4 ms a step split 2:1:1; the main thread's 2 ms 1:1; the floor is 6 - 2
+    assert "| CPython's interpreter (libpython) | 2.00 |" in lines
+    assert lines[-3:] == [
+        "| **all** | **6.00** |",
+        "| all but the loop's interpreter | 4.00 |",
+        "| DDP's, all | 3.00 |",
+    ]
