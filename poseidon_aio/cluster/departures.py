@@ -51,7 +51,6 @@ class Departures:
         self.peers = dict(peers)
         self.finished: dict = {}  # rank -> the steps it took
         self.gone: set = set()  # ranks whose link ended without saying
-        self._any = asyncio.get_running_loop().create_future()  # set once some peer has finished
         self._listeners: list = []
         self.stopped: dict = {}  # rank -> why its step failed, as it said
         self.signalled: dict = {}  # rank -> the signal that stopped it, as it said
@@ -78,8 +77,6 @@ class Departures:
             self.gone.add(q)
             return
         self.finished[q] = steps
-        if not self._any.done():
-            self._any.set_result(None)
         for listener in list(self._listeners):
             listener(q)
 
@@ -127,19 +124,30 @@ class Departures:
     async def guard(self, aw: Awaitable[T], step: int) -> T:
         """``await aw`` (a sync of step ``step``), or raise WorkerLeft, ``aw`` cancelled, the
         moment a peer that finished before that step says so."""
-        task = asyncio.ensure_future(aw)
         if not self.peers:
-            return await task
+            return await aw
+        left = self.error(step)
+        if left is not None:
+            if asyncio.iscoroutine(aw):
+                aw.close()
+            raise left
+        # A departure cancels this task where it waits, as asyncio.timeout() does: no task for
+        # ``aw`` and no wait on two futures, every step.
+        task = asyncio.current_task()
+        said: list = []
+
+        def departed(_q: int) -> None:
+            exc = self.error(step)
+            if exc is not None and not said:
+                said.append(exc)
+                task.cancel()
+
+        stop = self.listen(departed)
         try:
-            await asyncio.wait({task, self._any}, return_when=asyncio.FIRST_COMPLETED)
-            exc = None if task.done() else self.error(step)
-            if exc is None:
-                return await task
+            return await aw
         except asyncio.CancelledError:
-            task.cancel()
-            # It may end in its own error first (a peer stopped by the same signal): nobody
-            # awaits it now, so read it here.
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            if said and task.uncancel() == 0:  # (cancelled by the departure alone)
+                raise said[0] from None
             raise
         except (ConnectionLost, WorkerLeft) as lost:  # (WorkerLeft: a shard lost a peer's link)
             await self._hear_reasons(REASON_GRACE_S)
@@ -153,9 +161,8 @@ class Departures:
             if self.failure is None:
                 self.failure = error
             raise
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise exc
+        finally:
+            stop()
 
     async def _hear_reasons(self, grace: float) -> None:
         """Wait, ``grace`` seconds at most, until some peer has said why it stopped or every mesh

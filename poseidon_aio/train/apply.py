@@ -123,7 +123,12 @@ class Applier:
         """``await waiting`` (default: every sync of ``state``); on a failure the others are
         cancelled and the first error raised."""
         try:
-            await (waiting if waiting is not None else asyncio.gather(*state.syncs))
+            if waiting is not None:
+                await waiting
+            elif len(state.syncs) == 1:  # (a merged model's one message: no gathering future)
+                await state.syncs[0]
+            else:
+                await asyncio.gather(*state.syncs)
         except BaseException:
             for task in state.syncs:
                 task.cancel()
@@ -226,16 +231,16 @@ class Applier:
                         if i in wanted:
                             self.aggregates.to_device(state, i)
             self.staging.wait()
-        with torch.no_grad():
-            for i in chosen:
-                p = self.named[i][1]
-                agg = state.agg[i]
-                if i in self.server_owned:  # the shards' SGD sent the new values themselves
+        for i in chosen:
+            p = self.named[i][1]
+            agg = state.agg[i]
+            if i in self.server_owned:  # the shards' SGD sent the new values themselves
+                with torch.no_grad():
                     p.copy_(agg)
-                    p.grad = None
-                elif not p.requires_grad:
-                    p.grad = None
-                elif i in state.unused:  # unused here: a gradient only if some rank used it
-                    p.grad = agg if bool(agg.any()) else None
-                else:
-                    p.grad = agg
+                p.grad = None
+            elif not p.requires_grad:
+                p.grad = None
+            elif i in state.unused:  # unused here: a gradient only if some rank used it
+                p.grad = agg if bool(agg.any()) else None
+            else:
+                p.grad = agg

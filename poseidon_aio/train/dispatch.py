@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import operator
 import threading
 import time
@@ -302,7 +303,7 @@ class Dispatch:
         except Exception as exc:  # noqa: BLE001 - it fails the step, as a failed sync does
             sync = self._loop.create_future()
             sync.set_exception(exc)
-        sync.add_done_callback(lambda fut: self._synced(state, scheme, span, fut))
+        sync.add_done_callback(functools.partial(self._synced, state, scheme.value, span))
         state.syncs.append(sync)
         state.sync_ids.append(ids)
 
@@ -311,12 +312,12 @@ class Dispatch:
         return await self.syncers[scheme].start(bucket, state.clock)
 
     @staticmethod
-    def _synced(state: StepState, scheme: Scheme, span: Span, sync: asyncio.Future) -> None:
+    def _synced(state: StepState, scheme: str, span: Span, sync: asyncio.Future) -> None:
         span.end = time.perf_counter()
         if sync.cancelled() or sync.exception() is not None:
             return  # the step's apply raises it
         result = sync.result()
-        state.bytes[scheme.value] = state.bytes.get(scheme.value, 0) + result.bytes_sent + result.bytes_received
+        state.bytes[scheme] = state.bytes.get(scheme, 0) + result.bytes_sent + result.bytes_received
         state.dropped.update(result.dropped)
         state.work.extend(result.work)
 
