@@ -56,7 +56,7 @@ class Sampler:
             how = ["--native"] if self.native else ["--nonblocking"]
             command = [found, "record", "--pid", str(os.getpid()), "--threads", *how]
             command += ["--rate", str(RATE), "--format", "raw", "-o", self.path]
-        self._cpu0, self._io0 = thread_cpu(), io_calls()
+        self._found, self._cpu0, self._io0 = found, thread_cpu(), io_calls()
         self._proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def stop(self) -> None:
@@ -74,7 +74,7 @@ class Sampler:
         if self.tool == "perf":
             names = {tid: name for tid, (name, _, _) in {**self._cpu0, **cpu}.items()}
             script = subprocess.run(
-                ["perf", "script", "-i", self.path + ".data", "-F", "tid,ip,dso"],
+                [self._found, "script", "-i", self.path + ".data", "-F", "tid,ip,dso"],
                 capture_output=True,
                 text=True,
                 check=True,
@@ -192,6 +192,9 @@ LIBRARIES = [
 ]
 
 
+UNSAMPLED = "not sampled (a window too short for perf: give more --steps)"
+
+
 def library(dso: str) -> str:
     for what, pattern in LIBRARIES:
         if re.search(pattern, dso):
@@ -277,9 +280,10 @@ def cells_of(paths: list, steps: int) -> tuple:
     out: collections.Counter = collections.Counter()
     for thread, seconds in spent.items():
         mine = {p: n for (t, p), n in samples.items() if t == thread}
-        if not mine:  # never sampled: gloo's and torch's own threads when not --native
+        if not mine:  # never sampled: gloo's and torch's own threads when not --native; with perf, a
+            # window shorter than perf takes to attach
             mine = {
-                "other" if paths[0].endswith(".perf") else "C with no Python frame (uvloop, gloo, torch threads)": 1
+                UNSAMPLED if paths[0].endswith(".perf") else "C with no Python frame (uvloop, gloo, torch threads)": 1
             }
         for p, n in mine.items():
             out[(thread, p)] += seconds * n / sum(mine.values()) * scale
@@ -353,7 +357,7 @@ def main(argv=None) -> None:
         glob.glob(os.path.join(args.dir, "*-rank*.txt")) + glob.glob(os.path.join(args.dir, "*-rank*.perf"))
     ):
         name = os.path.basename(path)  # (perf's runs keep their suffix: a folder may hold both)
-        runs[re.sub(r"-rank\d+\.txt$", "", re.sub(r"-rank\d+(\.perf)$", r"\1", name))].append(path)
+        runs[re.sub(r"-rank\d+(?:\.txt|(\.perf))$", r"\1", name)].append(path)
     if args.by_run:
         print(f"ms of CPU a step and rank, sampled\n\n{by_run(runs)}")
         return

@@ -124,3 +124,11 @@ def test_perf_samples_by_library_and_the_floor_without_the_loops_interpreter(tmp
         "| all but the loop's interpreter | 4.00 |",
         "| DDP's, all | 3.00 |",
     ]
+
+
+def test_a_thread_perf_never_sampled_is_said_so(tmp_path):
+    path = tmp_path / "poseidon-cnn-1gbit-replayed-2w-10steps-rank0.perf"
+    path.write_text("")  # perf attached after a window this short was over
+    (tmp_path / f"{path.name}.cpu.json").write_text(json.dumps({"loop": 0.01}))
+    cells, _ = profile.cells_of([str(path)], steps=10)
+    assert cells == {("loop", profile.UNSAMPLED): 1.0}

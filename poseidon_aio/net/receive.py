@@ -167,17 +167,17 @@ class Landing:
         return self._exc
 
     def set_result(self, frame) -> None:
-        if self._done:
-            return
-        self._done = True
-        self._callback(self._tag, frame, None)
+        if not self._done:
+            self._land(frame, None)
 
     def set_exception(self, exc: BaseException) -> None:
-        if self._done:
-            return
+        if not self._done:
+            self._land(None, exc)
+
+    def _land(self, frame, exc) -> None:
         self._done = True
         self._exc = exc
-        self._callback(self._tag, None, exc)
+        self._callback(self._tag, frame, exc)
 
     def cancel(self) -> bool:
         """Give it up without a call back; its frame, if it comes, goes where an unexpected one
